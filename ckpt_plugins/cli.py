@@ -1,0 +1,134 @@
+"""`bcp`: offline tools on checkpoints (no process group, no GPU)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List
+
+from .api import check_files, read_metadata
+from .engine import read_checked
+from .errors import CheckpointError, IncompleteCheckpointError
+from .format import Metadata
+from .storage import storage_for
+
+
+class Progress:
+    """A one-line progress bar on stderr, shown only when stderr is a terminal."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.done, self.label = max(total, 1), 0, label
+        self.enabled = sys.stderr.isatty()
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if self.enabled:
+            filled = int(30 * self.done / self.total)
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] "
+                             f"{self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def _summary(metadata: Metadata) -> dict:
+    tensors = {}
+    for key, meta in metadata.tensors.items():
+        tensors[key] = {
+            "shape": list(meta.shape), "dtype": meta.dtype,
+            "bytes": sum(b.nbytes for b in meta.boxes),
+            "boxes": [{"offsets": list(b.offsets), "lengths": list(b.lengths), "file": b.file,
+                       "offset": b.offset, "nbytes": b.nbytes} for b in meta.boxes],
+        }
+    return {
+        "status": "committed", "version": metadata.version, "framework": metadata.framework,
+        "layout": metadata.layout, "step": metadata.step, "world_size": metadata.world_size,
+        "total_bytes": metadata.total_bytes, "files": metadata.files, "tensors": tensors,
+        "aliases": metadata.aliases,
+        "objects": {k: [{"rank": o.rank, "encoding": o.encoding, "nbytes": o.nbytes} for o in v]
+                    for k, v in metadata.objects.items()},
+    }
+
+
+def cmd_inspect(args) -> int:
+    try:
+        metadata = read_metadata(args.path)
+    except IncompleteCheckpointError as exc:
+        print(json.dumps({"status": "incomplete", "error": str(exc)}) if args.json else f"INCOMPLETE: {exc}")
+        return 2
+    info = _summary(metadata)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"checkpoint {args.path}: format v{info['version']}, from {info['framework']} "
+          f"(world size {info['world_size']}, layout {json.dumps(info['layout'])}), step {info['step']}")
+    print(f"{len(info['tensors'])} tensors, {len(info['objects'])} objects, "
+          f"{info['total_bytes'] / 1e6:.2f} MB in {len(info['files'])} files")
+    width = max([len(k) for k in info["tensors"]] + [3])
+    for key, t in info["tensors"].items():
+        print(f"  {key:<{width}}  {str(tuple(t['shape'])):<20} {t['dtype']:<9} "
+              f"{len(t['boxes']):>3} box(es) {t['bytes']:>12,} B")
+        if args.boxes:
+            for b in t["boxes"]:
+                print(f"      offsets {b['offsets']} lengths {b['lengths']} -> {b['file']}@{b['offset']}")
+    for alias, target in info["aliases"].items():
+        print(f"  {alias:<{width}}  = {target} (tied)")
+    for key, objs in info["objects"].items():
+        ranks = "replicated" if objs[0]["rank"] is None else f"{len(objs)} per-rank"
+        print(f"  {key:<{width}}  object ({objs[0]['encoding']}, {ranks})")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    metadata = read_metadata(args.path)
+    storage = storage_for(args.path)
+    check_files(storage, metadata)
+    items = [(k, b) for k, t in metadata.tensors.items() for b in t.boxes] + \
+            [(k, o) for k, objs in metadata.objects.items() for o in objs]
+    progress = Progress(sum(i.nbytes for _, i in items), "verify")
+    failures: List[str] = []
+    step = metadata.chunk_bytes * 64  # verify in bounded pieces: memory stays small
+    for key, item in items:
+        for start in range(0, max(item.nbytes, 1), step):
+            end = min(start + step, item.nbytes)
+            try:
+                read_checked(storage, key, item.file, item.offset, item.nbytes, start, end, item.crc32,
+                             metadata.chunk_bytes)
+            except CheckpointError as exc:
+                failures.append(str(exc))
+                break
+            progress.advance(end - start)
+    progress.close()
+    for failure in failures:
+        print(f"FAIL: {failure}")
+    n = len(items)
+    if failures:
+        print(f"{len(failures)} of {n} stored items failed verification")
+        return 1
+    print(f"OK: {n} stored items, {metadata.total_bytes:,} bytes, all checksums match")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="bcp", description="Inspect and verify ckpt_plugins checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="keys, shapes, dtypes, boxes, bytes, source framework and layout")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--boxes", action="store_true", help="list every stored box")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
+    p.add_argument("path")
+    p.set_defaults(func=cmd_verify)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

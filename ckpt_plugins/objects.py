@@ -1,0 +1,50 @@
+"""Encoding of extra state (objects): JSON when the value is plain JSON data, else torch.save.
+
+Non-JSON values are read back with `torch.load(weights_only=True)`, whose unpickler only builds
+tensors and plain containers, so loading never runs code from the checkpoint.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+from typing import Any, Tuple
+
+import torch
+
+from .errors import CorruptCheckpointError
+
+
+def _plain(value: Any) -> bool:
+    if value is None or type(value) in (bool, int, str):
+        return True
+    if type(value) is float:
+        return math.isfinite(value)
+    if type(value) is list:
+        return all(_plain(v) for v in value)
+    if type(value) is dict:
+        return all(type(k) is str and _plain(v) for k, v in value.items())
+    return False
+
+
+def encode_object(value: Any) -> Tuple[str, bytes]:
+    if _plain(value):
+        return "json", json.dumps(value, separators=(",", ":")).encode()
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    data = buf.getvalue()
+    try:  # refuse at save time what could never be loaded safely
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        raise TypeError(f"{type(value).__name__} is neither JSON data nor tensors/containers that "
+                        f"torch.load(weights_only=True) accepts: {exc}") from None
+    return "torch", data
+
+
+def decode_object(key: str, encoding: str, data: bytes) -> Any:
+    try:
+        if encoding == "json":
+            return json.loads(data)
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        raise CorruptCheckpointError(f"object {key} cannot be decoded as {encoding} data: {exc}") from None

@@ -1,0 +1,170 @@
+"""Storage backends: where checkpoint bytes live.
+
+The interface is small on purpose so an object store fits: whole-file sequential writers,
+ranged reads, and an atomic small-object put for the metadata (the commit). Nothing relies on
+rename across files, listing order, or appends.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from abc import ABC, abstractmethod
+from typing import List
+
+from .errors import CorruptCheckpointError, UnsafePathError
+
+
+class Writer(ABC):
+    @abstractmethod
+    def write(self, data) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Make everything written durable, then release the file."""
+
+
+class Storage(ABC):
+    """A checkpoint's namespace: names are relative '/'-separated paths inside it."""
+
+    @abstractmethod
+    def open_writer(self, name: str) -> Writer: ...
+
+    @abstractmethod
+    def read_into(self, name: str, offset: int, buffer) -> None:
+        """Fill `buffer` (writable bytes-like) from `name` at `offset`; short data is an error."""
+
+    @abstractmethod
+    def read_bytes(self, name: str) -> bytes: ...
+
+    @abstractmethod
+    def put_atomic(self, name: str, data: bytes) -> None:
+        """Write a small file so that readers see either nothing or all of it."""
+
+    @abstractmethod
+    def exists(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def size(self, name: str) -> int: ...
+
+    @abstractmethod
+    def listdir(self, name: str = "") -> List[str]: ...
+
+    @abstractmethod
+    def remove(self, name: str) -> None:
+        """Remove a file or a whole sub-tree; absent names are fine."""
+
+    @abstractmethod
+    def prepare(self) -> None:
+        """Create the checkpoint's namespace if needed (called by the coordinator before writes)."""
+
+
+class _FileWriter(Writer):
+    def __init__(self, path: str):
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.path = path
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+
+    def close(self) -> None:
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+
+
+class LocalStorage(Storage):
+    """A POSIX directory. Every name is resolved and checked to stay inside the root."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.root!r})"
+
+    def path(self, name: str) -> str:
+        full = os.path.realpath(os.path.join(self.root, name))
+        root = os.path.realpath(self.root)
+        if full != root and not full.startswith(root + os.sep):
+            raise UnsafePathError(f"{name!r} resolves to {full}, outside checkpoint {root}")
+        return full
+
+    def prepare(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+
+    def open_writer(self, name: str) -> Writer:
+        path = self.path(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return _FileWriter(path)
+
+    def read_into(self, name: str, offset: int, buffer) -> None:
+        view = memoryview(buffer).cast("B")
+        fd = os.open(self.path(name), os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], offset + done)
+                if got == 0:
+                    raise CorruptCheckpointError(
+                        f"{name} is truncated: wanted bytes {offset}..{offset + len(view)}, "
+                        f"file ends at {offset + done}")
+                done += got
+        finally:
+            os.close(fd)
+
+    def read_bytes(self, name: str) -> bytes:
+        with open(self.path(name), "rb") as f:
+            return f.read()
+
+    def put_atomic(self, name: str, data: bytes) -> None:
+        path = self.path(name)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def exists(self, name: str) -> bool:
+        return os.path.exists(self.path(name))
+
+    def size(self, name: str) -> int:
+        return os.stat(self.path(name)).st_size
+
+    def listdir(self, name: str = "") -> List[str]:
+        try:
+            return sorted(os.listdir(self.path(name)))
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            return []
+
+    def remove(self, name: str) -> None:
+        path = self.path(name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=False)
+        else:
+            try:
+                os.unlink(path)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+
+
+def storage_for(path) -> Storage:
+    """The backend for a path: a Storage passes through; anything else is a local directory."""
+    if isinstance(path, Storage):
+        return path
+    path = os.fspath(path)
+    if "://" in path:
+        raise ValueError(f"no storage backend for {path!r} yet: only local paths are supported")
+    return LocalStorage(path)

@@ -1,0 +1,30 @@
+"""Run a function on N real processes joined by a gloo group on 127.0.0.1."""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=120))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args) -> None:
+    """Call fn(rank, world_size, *args) on each rank; any rank's exception fails the caller."""
+    mp.spawn(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)

@@ -1,0 +1,152 @@
+"""Bad checkpoints and bad requests: each gets a clear error, and no live tensor is touched."""
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import ckpt_plugins as cp
+from ckpt_plugins.storage import LocalStorage
+from distributed import run_ranks
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 300), nn.Linear(300, 4))
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = tmp_path / "ckpt"
+    cp.save(path, {"model": model()})
+    return path
+
+
+def meta_json(path):
+    return json.loads((path / "metadata.json").read_text())
+
+
+def write_meta(path, raw):
+    (path / "metadata.json").write_text(json.dumps(raw))
+
+
+def untouched_load(path, error, match):
+    """The load fails with `error` matching `match`, and the destination keeps its values."""
+    m = model(seed=1)
+    before = [t.clone() for t in m.state_dict().values()]
+    with pytest.raises(error, match=match):
+        cp.load(path, {"model": m})
+    assert all(torch.equal(a, b) for a, b in zip(before, m.state_dict().values()))
+
+
+def test_missing_metadata_is_an_incomplete_checkpoint(ckpt):
+    os.remove(ckpt / "metadata.json")
+    untouched_load(ckpt, cp.IncompleteCheckpointError, "never committed")
+
+
+def test_flipped_byte_names_key_and_file(ckpt):
+    raw = meta_json(ckpt)
+    box = raw["tensors"]["model/0.weight"]["boxes"][0]
+    with open(ckpt / box["file"], "r+b") as f:
+        f.seek(box["offset"] + 5)
+        byte = f.read(1)
+        f.seek(box["offset"] + 5)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(cp.CorruptCheckpointError, match=rf"model/0\.weight: file {box['file']}"):
+        cp.load(ckpt, {"model": model(1)})
+
+
+def test_truncated_data_file(ckpt):
+    name = sorted(meta_json(ckpt)["files"])[0]
+    size = os.path.getsize(ckpt / name)
+    os.truncate(ckpt / name, size - 3)
+    untouched_load(ckpt, cp.CorruptCheckpointError, f"{name} of .* is truncated")
+
+
+@pytest.mark.parametrize("bad", ["../outside.bin", "/etc/passwd", "data/../../x.bin", "data\\..\\x"])
+def test_metadata_paths_must_stay_inside(ckpt, bad):
+    raw = meta_json(ckpt)
+    old = raw["tensors"]["model/0.weight"]["boxes"][0]["file"]
+    raw["tensors"]["model/0.weight"]["boxes"][0]["file"] = bad
+    raw["files"][bad] = raw["files"].pop(old)
+    write_meta(ckpt, raw)
+    untouched_load(ckpt, cp.UnsafePathError, "not a plain relative path inside the checkpoint")
+
+
+def test_symlink_escape_is_refused(ckpt, tmp_path):
+    name = sorted(meta_json(ckpt)["files"])[0]
+    outside = tmp_path / "outside.bin"
+    os.rename(ckpt / name, outside)
+    os.symlink(outside, ckpt / name)
+    untouched_load(ckpt, cp.UnsafePathError, "outside checkpoint")
+
+
+def test_shape_mismatch_names_key_and_shapes(ckpt):
+    m = nn.Sequential(nn.Linear(8, 300), nn.Linear(300, 5))
+    before = m[0].weight.clone()
+    with pytest.raises(cp.LoadMismatchError, match=r"model/1\.weight: checkpoint holds shape \[4, 300\], "
+                                                   r"the model wants \[5, 300\]"):
+        cp.load(ckpt, {"model": m})
+    assert torch.equal(m[0].weight, before)
+
+
+def test_dtype_mismatch(ckpt):
+    untouched = model(1).to(torch.bfloat16)
+    with pytest.raises(cp.LoadMismatchError, match=r"checkpoint holds float32, the model wants bfloat16"):
+        cp.load(ckpt, {"model": untouched})
+
+
+def test_newer_format_version(ckpt):
+    raw = meta_json(ckpt)
+    raw["version"] = 99
+    write_meta(ckpt, raw)
+    untouched_load(ckpt, cp.MetadataError, "version 99 is newer .* upgrade ckpt_plugins")
+
+
+def test_uncovered_region_names_key_and_region(ckpt):
+    raw = meta_json(ckpt)
+    box = raw["tensors"]["model/0.weight"]["boxes"][0]
+    box["lengths"] = [100, 8]
+    box["nbytes"] = 100 * 8 * 4
+    write_meta(ckpt, raw)
+    untouched_load(ckpt, cp.LoadMismatchError,
+                   r"model/0\.weight: no stored box covers region offsets \[100, 0\] lengths \[200, 8\]")
+
+
+@pytest.mark.parametrize("setup,error,match", [
+    ("missing", cp.NotACheckpointError, "not a ckpt_plugins checkpoint"),
+    ("empty", cp.NotACheckpointError, "not a ckpt_plugins checkpoint"),
+    ("foreign", cp.MetadataError, "not a ckpt_plugins checkpoint's"),
+    ("garbage", cp.MetadataError, "not valid JSON"),
+    ("a file", cp.NotACheckpointError, "not a ckpt_plugins checkpoint"),
+])
+def test_not_a_checkpoint(tmp_path, setup, error, match):
+    path = tmp_path / "x"
+    if setup == "empty":
+        path.mkdir()
+    elif setup in ("foreign", "garbage"):
+        path.mkdir()
+        (path / "metadata.json").write_text('{"weight_map": {}}' if setup == "foreign" else "\x00{{")
+    elif setup == "a file":
+        path.write_text("hello")
+    untouched_load(path, error, match)
+
+
+class FailingStorage(LocalStorage):
+    def open_writer(self, name):
+        raise OSError(28, "No space left on device")
+
+
+def failing_write_worker(rank, world, path):
+    storage = FailingStorage(path) if rank == 1 else LocalStorage(path)
+    with pytest.raises(cp.SaveError, match=r"rank 1 failed to write: OSError: .*No space left on device "
+                                           r"\(writing data/r1-0.bin"):
+        cp.save(storage, {"model": model()}, threads=1)
+    assert not os.path.exists(os.path.join(path, "metadata.json"))
+
+
+def test_a_failed_write_on_one_rank_commits_nothing_and_fails_every_rank(tmp_path):
+    run_ranks(2, failing_write_worker, str(tmp_path / "c"))
+    with pytest.raises(cp.IncompleteCheckpointError):
+        cp.read_metadata(tmp_path / "c")

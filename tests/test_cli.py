@@ -1,0 +1,66 @@
+"""`bcp inspect` and `bcp verify`, run through the installed console script."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+import ckpt_plugins as cp
+
+BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
+
+
+def bcp(*args):
+    return subprocess.run([BCP, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def make(path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    cp.save(path, {"model": m, "extra": {"epoch": 2}}, framework="torch", layout={"dp": 1}, step=11)
+
+
+def test_inspect_text_and_json(tmp_path):
+    make(tmp_path / "c")
+    out = bcp("inspect", tmp_path / "c", "--boxes")
+    assert out.returncode == 0, out.stderr
+    assert "from torch" in out.stdout and "step 11" in out.stdout
+    assert "model/0.weight" in out.stdout and "(6, 4)" in out.stdout and "float32" in out.stdout
+    assert "offsets [0, 0] lengths [6, 4]" in out.stdout and "extra/epoch" in out.stdout
+    info = json.loads(bcp("inspect", tmp_path / "c", "--json").stdout)
+    assert info["status"] == "committed" and info["step"] == 11 and info["layout"] == {"dp": 1}
+    assert info["tensors"]["model/1.bias"] == {
+        "shape": [2], "dtype": "float32", "bytes": 8,
+        "boxes": [{**{k: v for k, v in info["tensors"]["model/1.bias"]["boxes"][0].items()},
+                   "offsets": [0], "lengths": [2], "nbytes": 8}]}
+    assert info["total_bytes"] == sum(os.path.getsize(tmp_path / "c" / f) for f in info["files"])
+
+
+def test_inspect_reports_incomplete(tmp_path):
+    make(tmp_path / "c")
+    os.remove(tmp_path / "c" / "metadata.json")
+    out = bcp("inspect", tmp_path / "c")
+    assert out.returncode == 2 and "INCOMPLETE" in out.stdout and "never committed" in out.stdout
+    assert json.loads(bcp("inspect", tmp_path / "c", "--json").stdout)["status"] == "incomplete"
+
+
+def test_verify_passes_then_names_the_corrupt_key_and_file(tmp_path):
+    make(tmp_path / "c")
+    out = bcp("verify", tmp_path / "c")
+    assert out.returncode == 0 and "all checksums match" in out.stdout
+    meta = cp.read_metadata(tmp_path / "c")
+    box = meta.tensors["model/1.weight"].boxes[0]
+    with open(tmp_path / "c" / box.file, "r+b") as f:
+        f.seek(box.offset + box.nbytes - 1)
+        f.write(b"\xff")
+    out = bcp("verify", tmp_path / "c")
+    assert out.returncode == 1
+    assert f"checksum mismatch in model/1.weight: file {box.file}" in out.stdout
+    assert "1 of 5 stored items failed" in out.stdout
+
+
+def test_cli_errors_are_one_clear_line(tmp_path):
+    out = bcp("verify", tmp_path / "nothing")
+    assert out.returncode == 1 and out.stderr.startswith("error: ") and "not a ckpt_plugins checkpoint" in out.stderr
