@@ -6,7 +6,7 @@ import json
 import sys
 from typing import List
 
-from .api import check_files, read_metadata
+from .checkpointer import check_files, read_metadata
 from .engine import read_checked
 from .errors import CheckpointError, IncompleteCheckpointError
 from .format import Metadata
@@ -94,7 +94,7 @@ def cmd_verify(args) -> int:
         for start in range(0, max(item.nbytes, 1), step):
             end = min(start + step, item.nbytes)
             try:
-                read_checked(storage, key, item.file, item.offset, item.nbytes, start, end, item.crc32,
+                read_checked(storage, key, item.file, item.offset, item.nbytes, start, end, item.crc32c,
                              metadata.chunk_bytes)
             except CheckpointError as exc:
                 failures.append(str(exc))

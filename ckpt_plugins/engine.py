@@ -1,94 +1,208 @@
-"""Execution: write a rank's share of a save plan, and run a load plan's reads and copies.
+"""Execution: snapshot and write a rank's share of a save; run a load plan's reads and copies.
 
 Side effects live here (and in storage); what to do was decided by `plan`.
+
+Save is a pipeline over one staging buffer: the snapshot copies items into it file by file in
+offset order, and one writer thread per file follows the snapshot's progress, writing aligned
+pieces as soon as they are staged and checksumming each item once it is complete.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
 from .errors import CorruptCheckpointError
 from .format import chunk_checksums, dtype_from_name
 from .fragment import Fragment, flat_offset, sub_view
-from .plan import ReadItem, WriteItem
+from .plan import ReadItem, Transfer
+from .staging import align_up
 from .storage import Storage
 
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw row-major bytes of a tensor, as a host buffer (a copy only when needed)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy())
+PIECE = 8 << 20  # bytes per write call: big enough for the disk, small enough to pipeline
 
 
-def write_items(storage: Storage, items: Sequence[WriteItem], fragments: Sequence[Fragment],
-                objects: Sequence[bytes]) -> List[List[int]]:
-    """Write this rank's items, one thread per file; returns each item's chunk checksums."""
-    by_file: Dict[str, List[int]] = defaultdict(list)
-    for position, item in enumerate(items):
-        by_file[item.file].append(position)
-    checksums: List[List[int]] = [[] for _ in items]
+@dataclass
+class StageItem:
+    file: str
+    offset: int
+    source: Union[torch.Tensor, bytes]  # a fragment's live view, or an encoded object
 
-    def write_file(name: str) -> None:
-        writer = storage.open_writer(name)
+    @property
+    def nbytes(self) -> int:
+        s = self.source
+        return s.numel() * s.element_size() if isinstance(s, torch.Tensor) else len(s)
+
+
+class StagedWrite:
+    """One rank's share of a save: snapshot into a staging buffer, then write every file from it."""
+
+    def __init__(self, storage: Storage, items: Sequence[StageItem]):
+        self.storage, self.items = storage, list(items)
+        self.sizes: Dict[str, int] = {}
+        for item in self.items:
+            self.sizes[item.file] = max(self.sizes.get(item.file, 0), item.offset + item.nbytes)
+        self.base: Dict[str, int] = {}
+        total = 0
+        for name in sorted(self.sizes):
+            self.base[name] = total
+            total += align_up(self.sizes[name])
+        self.nbytes = total
+        self.buffer: Optional[torch.Tensor] = None
+        self._ready = {name: 0 for name in self.sizes}  # staged prefix of each file
+        self._failed: Optional[BaseException] = None
+        self._cond = threading.Condition()
+
+    def snapshot(self, buffer: torch.Tensor) -> None:
+        """Copy every item into `buffer` (>= self.nbytes). Afterwards the sources may change."""
+        self.buffer = buffer
         try:
-            for position in sorted(by_file[name], key=lambda p: items[p].offset):
-                item = items[position]
-                data = objects[item.index] if item.is_object else tensor_bytes(fragments[item.index].local)
-                writer.write(data)
-                checksums[position] = chunk_checksums(data)
+            by_file = {name: sorted((i for i in self.items if i.file == name), key=lambda i: i.offset)
+                       for name in self.sizes}
+            # round-robin over files so every writer gets data early
+            order = [i for group in zip(*[_padded(v, max(map(len, by_file.values()), default=0))
+                                          for v in by_file.values()]) for i in group if i is not None]
+            synchronize = False
+            for item in order:
+                start = self.base[item.file] + item.offset
+                dest = buffer[start:start + item.nbytes]
+                if isinstance(item.source, torch.Tensor):
+                    src = item.source.detach()
+                    synchronize |= src.device.type != "cpu"
+                    dest.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+                else:
+                    memoryview(dest.numpy())[:] = item.source
+                if synchronize:
+                    torch.cuda.synchronize()
+                with self._cond:
+                    self._ready[item.file] = item.offset + item.nbytes
+                    self._cond.notify_all()
+            with self._cond:  # alignment gaps after the last item count as staged too
+                self._ready = dict(self.sizes)
+                self._cond.notify_all()
+        except BaseException as exc:
+            with self._cond:
+                self._failed = exc
+                self._cond.notify_all()
+            raise
+
+    def write(self, threads: int) -> List[List[int]]:
+        """Write every file as the snapshot progresses; returns each item's chunk checksums."""
+        checksums: List[List[int]] = [[] for _ in self.items]
+        with ThreadPoolExecutor(max(1, min(threads, len(self.sizes))), thread_name_prefix="ckpt-write") as pool:
+            list(pool.map(lambda name: self._write_file(name, checksums), sorted(self.sizes)))
+        return checksums
+
+    def _write_file(self, name: str, checksums: List[List[int]]) -> None:
+        size, base = self.sizes[name], self.base[name]
+        pending = sorted((i for i, it in enumerate(self.items) if it.file == name),
+                         key=lambda i: self.items[i].offset)
+        writer = self.storage.open_writer(name)
+        try:
+            pos = 0
+            while pos < size:
+                target = min(size, pos + PIECE)
+                with self._cond:
+                    while self._ready[name] < target and self._failed is None:
+                        self._cond.wait()
+                    if self._failed is not None:
+                        raise RuntimeError(f"snapshot failed: {self._failed}")
+                writer.write(_bytes(self.buffer[base + pos:base + target]))
+                pos = target
+                while pending and self.items[pending[0]].offset + self.items[pending[0]].nbytes <= pos:
+                    index = pending.pop(0)
+                    start = base + self.items[index].offset
+                    checksums[index] = chunk_checksums(_bytes(self.buffer[start:start + self.items[index].nbytes]))
         finally:
             writer.close()
 
-    if len(by_file) <= 1:
-        for name in by_file:
-            write_file(name)
-    else:
-        with ThreadPoolExecutor(len(by_file), thread_name_prefix="ckpt-write") as pool:
-            list(pool.map(write_file, list(by_file)))
-    return checksums
+
+def _padded(values: list, n: int) -> list:
+    return values + [None] * (n - len(values))
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()) if t.numel() else memoryview(b"")
+
+
+# ---------------------------------------------------------------------------- load
 
 
 def read_checked(storage: Storage, key: str, file: str, offset: int, nbytes: int, start: int, end: int,
-                 crc32: Sequence[int], chunk: int) -> bytearray:
+                 crc32c: Sequence[int], chunk: int, buffer=None) -> bytearray:
     """Bytes [start, end) of an item stored at `offset`, verified against its chunk checksums."""
-    buffer = bytearray(end - start)
+    buffer = bytearray(end - start) if buffer is None else buffer
     storage.read_into(file, offset + start, buffer)
-    expected = crc32[start // chunk:start // chunk + len(range(start, end, chunk))]
+    expected = crc32c[start // chunk:start // chunk + len(range(start, end, chunk))]
     if chunk_checksums(buffer, chunk) != list(expected):
         raise CorruptCheckpointError(f"checksum mismatch in {key}: file {file}, bytes "
                                      f"{offset + start}..{offset + end}; the checkpoint is corrupt")
     return buffer
 
 
-def read_items(storage: Storage, reads: Sequence[ReadItem], targets: Sequence[Fragment], dtypes: Dict[str, str],
-               chunk: int, threads: int = 2) -> None:
-    """Run reads in parallel; copy each verified range into its destination views."""
+def copy_out(read: ReadItem, data, targets: Sequence[Fragment], dtype: torch.dtype) -> None:
+    """Copy the regions `read` feeds from `data` (its bytes [start, end)) into their targets."""
+    stored = read.stored
+    flat = torch.frombuffer(data, dtype=torch.uint8).view(dtype) if len(data) else None
+    strides = [1] * len(stored.lengths)
+    for d in range(len(strides) - 2, -1, -1):
+        strides[d] = strides[d + 1] * stored.lengths[d + 1]
+    first = read.start // dtype.itemsize
+    for copy in read.copies:
+        target = targets[copy.target]
+        rel = [o - so for o, so in zip(copy.region[0], stored.offsets)]
+        src = flat.as_strided(copy.region[1], strides, flat_offset(stored.lengths, rel) - first)
+        sub_view(target.local, target.offsets, copy.region).copy_(src)
 
-    def run(read: ReadItem) -> None:
+
+def read_items(storage: Storage, reads: Sequence[ReadItem], targets: Sequence[Fragment],
+               dtypes: Dict[str, str], chunk: int, threads: int = 2,
+               transfers: Optional[Dict[int, Transfer]] = None, rank: int = 0, group=None) -> int:
+    """Run this rank's reads (and its part of the read-once exchange); returns bytes read from storage.
+
+    Reads run on a thread pool; each verified range is copied into its destination views as soon
+    as it lands. `transfers` maps a read's position to its shared read: its reader reads the union
+    range once and sends it to the other ranks needing it; receives are posted first.
+    """
+    import torch.distributed as dist
+
+    transfers = transfers or {}
+    send_lock = threading.Lock()  # one thread at a time posts sends on the group
+    incoming, outgoing = [], []
+    for position, t in sorted(transfers.items()):
+        if t.reader != rank:
+            buf = torch.empty(t.end - t.start, dtype=torch.uint8)
+            incoming.append((reads[position], t, buf, dist.irecv(buf, group=group, group_src=t.reader, tag=t.tag)))
+
+    def run(position: int) -> int:
+        read = reads[position]
+        t = transfers.get(position)
+        start, end = (t.start, t.end) if t else (read.start, read.end)
         stored = read.stored
-        buffer = read_checked(storage, read.key, stored.file, stored.offset, stored.nbytes, read.start,
-                              read.end, stored.crc32, chunk)
-        dtype = dtype_from_name(dtypes[read.key])
-        flat = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype) if buffer else None
-        strides = [1] * len(stored.lengths)
-        for d in range(len(strides) - 2, -1, -1):
-            strides[d] = strides[d + 1] * stored.lengths[d + 1]
-        first = read.start // dtype.itemsize
-        for copy in read.copies:
-            target = targets[copy.target]
-            rel = [o - so for o, so in zip(copy.region[0], stored.offsets)]
-            src = flat.as_strided(copy.region[1], strides, flat_offset(stored.lengths, rel) - first)
-            sub_view(target.local, target.offsets, copy.region).copy_(src)
+        data = read_checked(storage, read.key, stored.file, stored.offset, stored.nbytes, start, end,
+                            stored.crc32c, chunk)
+        if t is not None:
+            tensor = torch.frombuffer(data, dtype=torch.uint8)
+            with send_lock:
+                outgoing.extend((dist.isend(tensor, group=group, group_dst=r, tag=t.tag), tensor)
+                                for r in t.needers if r != rank)
+        copy_out(read, memoryview(data)[read.start - start:read.end - start], targets,
+                 dtype_from_name(dtypes[read.key]))
+        return end - start
 
-    if threads <= 1 or len(reads) <= 1:
-        for read in reads:
-            run(read)
-        return
-    with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read") as pool:
-        list(pool.map(run, reads))
+    mine = [p for p in range(len(reads)) if p not in transfers or transfers[p].reader == rank]
+    if threads <= 1 or len(mine) <= 1:
+        nbytes = sum(run(p) for p in mine)
+    else:
+        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read") as pool:
+            nbytes = sum(pool.map(run, mine))
+    for read, t, buf, work in incoming:
+        work.wait()
+        copy_out(read, memoryview(buf.numpy())[read.start - t.start:read.end - t.start], targets,
+                 dtype_from_name(dtypes[read.key]))
+    for work, _tensor in outgoing:
+        work.wait()
+    return nbytes

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import math
 import posixpath
-import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import crc32c as _crc32c
 import torch
 
 from .errors import MetadataError, UnsafePathError
@@ -50,11 +50,15 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def chunk_checksums(data, chunk: int = CHUNK_BYTES) -> List[int]:
-    """CRC32 of each `chunk`-byte piece of `data` (bytes-like); one checksum when empty."""
+    """CRC32C of each `chunk`-byte piece of `data` (bytes-like); one checksum when empty.
+
+    CRC32C because it is hardware-accelerated (SSE4.2 / ARMv8) and releases the GIL: checksums
+    run beside the writes instead of bounding them.
+    """
     view = memoryview(data).cast("B")
     if len(view) == 0:
-        return [zlib.crc32(b"")]
-    return [zlib.crc32(view[i:i + chunk]) for i in range(0, len(view), chunk)]
+        return [_crc32c.crc32c(b"")]
+    return [_crc32c.crc32c(view[i:i + chunk]) for i in range(0, len(view), chunk)]
 
 
 def check_relative_path(path: str) -> str:
@@ -73,7 +77,7 @@ class StoredItem:
     file: str
     offset: int
     nbytes: int
-    crc32: List[int]
+    crc32c: List[int]
 
 
 @dataclass
@@ -142,12 +146,12 @@ def _dict(value, what: str) -> dict:
 def _item_fields(raw: dict, what: str, chunk_bytes: int) -> dict:
     raw = _dict(raw, what)
     nbytes = _int(raw.get("nbytes"), f"{what}.nbytes")
-    crc = raw.get("crc32")
+    crc = raw.get("crc32c")
     _need(isinstance(crc, list) and all(type(c) is int for c in crc)
           and len(crc) == max(1, math.ceil(nbytes / chunk_bytes)),
-          f"{what}.crc32 must hold one checksum per chunk")
+          f"{what}.crc32c must hold one checksum per chunk")
     return dict(file=check_relative_path(raw.get("file")), offset=_int(raw.get("offset"), f"{what}.offset"),
-                nbytes=nbytes, crc32=crc)
+                nbytes=nbytes, crc32c=crc)
 
 
 def _tensor(key: str, raw: dict, chunk_bytes: int) -> TensorMeta:

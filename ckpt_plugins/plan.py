@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import LoadMismatchError
-from .format import (CHUNK_BYTES, DATA_DIR, Metadata, ObjectMeta, StoredBox, StoredItem, TensorMeta,
-                     dtype_from_name)
+from .format import CHUNK_BYTES, DATA_DIR, Metadata, StoredBox, TensorMeta, dtype_from_name
 from .fragment import Box, Shape, flat_offset, intersect
 
 
@@ -36,17 +35,8 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
-class ObjectSpec:
-    key: str
-    nbytes: int
-    encoding: str
-    rank: Optional[int]  # None: one copy for all ranks
-
-
-@dataclass(frozen=True)
 class WriteItem:
-    index: int  # position in the rank's list of tensor specs, or of object specs
-    is_object: bool
+    index: int  # position in the rank's list of tensor specs
     file: str
     offset: int
 
@@ -54,8 +44,8 @@ class WriteItem:
 @dataclass
 class SavePlan:
     writes: List[List[WriteItem]]  # per rank
-    stored: List[List[StoredItem]]  # per rank, the metadata entry of each write (checksums at commit)
-    metadata: Metadata
+    stored: List[List[StoredBox]]  # per rank, the metadata entry of each write (checksums at commit)
+    metadata: Metadata  # tensors and files; objects and checksums are added at commit
     rank_bytes: List[int]
 
     @property
@@ -65,75 +55,87 @@ class SavePlan:
         return max(self.rank_bytes) / mean if mean else 1.0
 
 
-def plan_save(tensors: Sequence[Sequence[TensorSpec]], objects: Sequence[Sequence[ObjectSpec]],
-              files_per_rank: int = 1, aliases: Optional[Dict[str, str]] = None) -> SavePlan:
-    """Build the global save plan from every rank's specs (index = rank)."""
+ITEM_ALIGN = 64  # every item starts 64-byte aligned: typed views and O_DIRECT pieces stay aligned
+
+
+def place(sizes: Sequence[int], names: Sequence[str]) -> Tuple[List[Tuple[str, int]], Dict[str, int]]:
+    """Spread items over files, biggest first onto the least-filled; fixes every byte offset."""
+    heap = [(0, i) for i in range(len(names))]
+    placed: List[Tuple[str, int]] = [("", 0)] * len(sizes)
+    used: Dict[str, int] = {}
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        size, f = heapq.heappop(heap)
+        placed[index] = (names[f], size)
+        end = size + sizes[index]
+        used[names[f]] = end
+        heapq.heappush(heap, (-(-end // ITEM_ALIGN) * ITEM_ALIGN, f))
+    return placed, used
+
+
+def data_file_names(rank: int, count: int) -> List[str]:
+    return [f"{DATA_DIR}/r{rank}-{i}.bin" for i in range(count)]
+
+
+def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
+              aliases: Optional[Dict[str, str]] = None) -> SavePlan:
+    """Build the global save plan from every rank's tensor specs (index = rank).
+
+    Ranks with identical spec lists (data-parallel replicas) are validated once; each distinct
+    box goes to the least-loaded rank holding it, biggest boxes first.
+    """
     world = len(tensors)
     metas: Dict[str, TensorMeta] = {}
-    holders: Dict[Tuple[str, Box], List[Tuple[int, int]]] = {}  # box -> [(rank, index)]
+    holders: Dict[Tuple[str, Box], List[int]] = {}  # box -> ranks holding it
+    sizes: Dict[Tuple[str, Box], int] = {}
+    leader_of: List[int] = []  # rank -> first rank with an identical spec list
+    unique: Dict[tuple, int] = {}
     for rank, specs in enumerate(tensors):
-        for index, spec in enumerate(specs):
+        leader_of.append(unique.setdefault(tuple(specs), rank))
+    groups: Dict[int, List[int]] = {}
+    for rank, leader in enumerate(leader_of):
+        groups.setdefault(leader, []).append(rank)
+    box_index: Dict[int, Dict[Tuple[str, Box], int]] = {leader: {} for leader in groups}
+    for leader, ranks in groups.items():
+        for index, spec in enumerate(tensors[leader]):
             meta = metas.setdefault(spec.key, TensorMeta(spec.shape, spec.dtype))
             if (meta.shape, meta.dtype) != (spec.shape, spec.dtype):
                 raise ValueError(f"{spec.key}: ranks disagree on the tensor: one holds shape "
-                                 f"{list(meta.shape)} {meta.dtype}, rank {rank} holds shape "
+                                 f"{list(meta.shape)} {meta.dtype}, rank {leader} holds shape "
                                  f"{list(spec.shape)} {spec.dtype}")
             if len(spec.offsets) != len(spec.shape) or any(
                     o + n > s for o, n, s in zip(spec.offsets, spec.lengths, spec.shape)):
-                raise ValueError(f"{spec.key}: rank {rank}'s box {spec.box} lies outside shape "
+                raise ValueError(f"{spec.key}: rank {leader}'s box {spec.box} lies outside shape "
                                  f"{list(spec.shape)}")
-            if math.prod(spec.lengths):
-                holders.setdefault((spec.key, spec.box), []).append((rank, index))
-    object_keys = {o.key for objs in objects for o in objs}
-    if object_keys & metas.keys():
-        raise ValueError(f"keys used both for a tensor and an object: {sorted(object_keys & metas.keys())}")
+            box = (spec.key, spec.box)
+            if math.prod(spec.lengths) and box not in box_index[leader]:
+                box_index[leader][box] = index
+                holders.setdefault(box, []).extend(ranks)
+                sizes[box] = spec.nbytes
 
-    # Objects are written by their owner; distinct boxes go to the least-loaded holder, biggest first.
     load = [0] * world
-    assigned: List[List[Tuple[int, bool, int]]] = [[] for _ in range(world)]  # (index, is_object, nbytes)
-    for rank, objs in enumerate(objects):
-        for index, obj in enumerate(objs):
-            assigned[rank].append((index, True, obj.nbytes))
-            load[rank] += obj.nbytes
-    boxes = sorted(holders.items(), key=lambda kv: (-tensors[kv[1][0][0]][kv[1][0][1]].nbytes, kv[0]))
-    for (_key, _box), owners in boxes:
-        rank, index = min(owners, key=lambda ri: (load[ri[0]], ri[0]))
-        nbytes = tensors[rank][index].nbytes
-        assigned[rank].append((index, False, nbytes))
-        load[rank] += nbytes
+    assigned: List[List[int]] = [[] for _ in range(world)]
+    for box in sorted(holders, key=lambda b: (-sizes[b], b)):
+        rank = min(holders[box], key=lambda r: (load[r], r))
+        assigned[rank].append(box_index[leader_of[rank]][box])
+        load[rank] += sizes[box]
 
     writes: List[List[WriteItem]] = []
-    stored: List[List[StoredItem]] = []
+    stored: List[List[StoredBox]] = []
     files: Dict[str, int] = {}
-    object_metas: Dict[str, List[ObjectMeta]] = {}
     for rank in range(world):
-        names = [f"{DATA_DIR}/r{rank}-{i}.bin" for i in range(files_per_rank)]
-        heap = [(0, i) for i in range(files_per_rank)]
-        rank_writes, rank_stored = [], []
-        for index, is_object, nbytes in sorted(assigned[rank], key=lambda a: -a[2]):
-            size, i = heapq.heappop(heap)
-            item = WriteItem(index, is_object, names[i], size)
-            rank_writes.append(item)
-            heapq.heappush(heap, (size + nbytes, i))
-            placed = dict(file=item.file, offset=item.offset, nbytes=nbytes, crc32=[])
-            if is_object:
-                obj = objects[rank][index]
-                entry = ObjectMeta(**placed, encoding=obj.encoding, rank=obj.rank)
-                object_metas.setdefault(obj.key, []).append(entry)
-            else:
-                spec = tensors[rank][index]
-                entry = StoredBox(**placed, offsets=spec.offsets, lengths=spec.lengths)
-                metas[spec.key].boxes.append(entry)
-            rank_stored.append(entry)
-        used = {item.file for item in rank_writes}
-        files.update({names[i]: size for size, i in heap if names[i] in used})
-        writes.append(rank_writes)
-        stored.append(rank_stored)
+        specs = [tensors[rank][i] for i in assigned[rank]]
+        placed, used = place([s.nbytes for s in specs], data_file_names(rank, files_per_rank))
+        files.update(used)
+        writes.append([WriteItem(i, f, o) for i, (f, o) in zip(assigned[rank], placed)])
+        entries = [StoredBox(file=f, offset=o, nbytes=s.nbytes, crc32c=[], offsets=s.offsets, lengths=s.lengths)
+                   for s, (f, o) in zip(specs, placed)]
+        for spec, entry in zip(specs, entries):
+            metas[spec.key].boxes.append(entry)
+        stored.append(entries)
     for meta in metas.values():
         meta.boxes.sort(key=lambda b: b.offsets)
-    metadata = Metadata(tensors=dict(sorted(metas.items())), objects=dict(sorted(object_metas.items())),
-                        files=dict(sorted(files.items())), aliases=dict(aliases or {}),
-                        world_size=world, chunk_bytes=CHUNK_BYTES)
+    metadata = Metadata(tensors=dict(sorted(metas.items())), objects={}, files=dict(sorted(files.items())),
+                        aliases=dict(aliases or {}), world_size=world, chunk_bytes=CHUNK_BYTES)
     return SavePlan(writes=writes, stored=stored, metadata=metadata, rank_bytes=load)
 
 
@@ -235,3 +237,47 @@ def plan_load(metadata: Metadata, wanted: Sequence[TensorSpec]) -> LoadPlan:
         read.start = read.start // chunk * chunk
         read.end = min(-(-read.end // chunk) * chunk, read.stored.nbytes)
     return LoadPlan(reads=list(reads.values()), missing=missing)
+
+
+# ------------------------------------------------------------------ read-once loading
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A stored range that several ranks need: `reader` reads it once and sends it to the rest."""
+    reader: int
+    needers: Tuple[int, ...]
+    start: int
+    end: int
+    tag: int
+
+
+def read_request(read: ReadItem) -> Tuple[str, int, int, int]:
+    """What a rank tells the others about one of its reads: stored item, byte range."""
+    return read.stored.file, read.stored.offset, read.start, read.end
+
+
+def assign_transfers(requests: Sequence[Sequence[Tuple[str, int, int, int]]]) -> Dict[Tuple[str, int], Transfer]:
+    """Pick one reader for every stored item that several ranks read (pure; same on every rank).
+
+    The reader is one of the ranks needing the item, balancing bytes read across ranks; it reads
+    the union of the needed ranges. Items only one rank needs are left to that rank.
+    """
+    needs: Dict[Tuple[str, int], List[Tuple[int, int, int]]] = {}
+    for rank, reqs in enumerate(requests):
+        for file, offset, start, end in reqs:
+            needs.setdefault((file, offset), []).append((rank, start, end))
+    load = [0] * len(requests)
+    for item, ranks in needs.items():
+        if len(ranks) == 1:
+            load[ranks[0][0]] += ranks[0][2] - ranks[0][1]
+    out: Dict[Tuple[str, int], Transfer] = {}
+    shared = sorted((i for i, r in needs.items() if len(r) > 1),
+                    key=lambda i: (-(max(e for _, _, e in needs[i]) - min(s for _, s, _ in needs[i])), i))
+    for tag, item in enumerate(shared):
+        ranks = needs[item]
+        start, end = min(s for _, s, _ in ranks), max(e for _, _, e in ranks)
+        reader = min((r for r, _, _ in ranks), key=lambda r: (load[r], r))
+        load[reader] += end - start
+        out[item] = Transfer(reader, tuple(sorted(r for r, _, _ in ranks)), start, end, tag)
+    return out

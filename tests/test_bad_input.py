@@ -142,7 +142,7 @@ def failing_write_worker(rank, world, path):
     storage = FailingStorage(path) if rank == 1 else LocalStorage(path)
     with pytest.raises(cp.SaveError, match=r"rank 1 failed to write: OSError: .*No space left on device "
                                            r"\(writing data/r1-0.bin"):
-        cp.save(storage, {"model": model()}, threads=1)
+        cp.Checkpointer(threads=1).save(storage, {"model": model()})
     assert not os.path.exists(os.path.join(path, "metadata.json"))
 
 

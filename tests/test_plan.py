@@ -2,7 +2,7 @@
 import pytest
 
 from ckpt_plugins.errors import LoadMismatchError
-from ckpt_plugins.plan import ObjectSpec, TensorSpec, plan_load, plan_save
+from ckpt_plugins.plan import TensorSpec, plan_load, plan_save
 
 
 def spec(key, shape, offsets=None, lengths=None, dtype="float32"):
@@ -11,7 +11,7 @@ def spec(key, shape, offsets=None, lengths=None, dtype="float32"):
 
 def test_replicated_boxes_are_written_once_and_balanced():
     model = [spec(f"layer{i}", (256, 256 + (i % 3))) for i in range(24)]
-    plan = plan_save([model] * 4, [[]] * 4, files_per_rank=2)
+    plan = plan_save([model] * 4, files_per_rank=2)
     print(f"byte balance max/mean over 4 ranks, 24 tensors: {plan.balance:.3f}")
     assert plan.balance < 1.25
     writes = [w for ws in plan.writes for w in ws]
@@ -22,27 +22,27 @@ def test_replicated_boxes_are_written_once_and_balanced():
 
 def test_offsets_are_fixed_and_disjoint_within_each_file():
     shards = [[spec("w", (10, 4), (5 * r, 0), (5, 4)), spec("b", (3,))] for r in range(2)]
-    plan = plan_save(shards, [[ObjectSpec("extra", 10, "json", None)], []], files_per_rank=2)
+    plan = plan_save(shards, files_per_rank=2)
     spans = {}
     for entries in plan.stored:
         for e in entries:
             spans.setdefault(e.file, []).append((e.offset, e.offset + e.nbytes))
     for file, ranges in spans.items():
         ranges.sort()
-        assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert ranges[0][0] == 0 and all(-(-a[1] // 64) * 64 == b[0] for a, b in zip(ranges, ranges[1:]))
         assert plan.metadata.files[file] == ranges[-1][1]
     assert [(b.offsets, b.lengths) for b in plan.metadata.tensors["w"].boxes] == [((0, 0), (5, 4)), ((5, 0), (5, 4))]
 
 
 def test_ranks_disagreeing_on_a_tensor_is_an_error():
     with pytest.raises(ValueError, match=r"w: ranks disagree .* rank 1 holds shape \[4, 4\]"):
-        plan_save([[spec("w", (4, 3))], [spec("w", (4, 4))]], [[], []])
+        plan_save([[spec("w", (4, 3))], [spec("w", (4, 4))]])
     with pytest.raises(ValueError, match="lies outside shape"):
-        plan_save([[spec("w", (4, 3), (3, 0), (2, 3))]], [[]])
+        plan_save([[spec("w", (4, 3), (3, 0), (2, 3))]])
 
 
 def test_load_plan_reads_only_the_chunks_it_needs():
-    stored = plan_save([[spec("w", (4096, 1024))]], [[]]).metadata  # 16 MiB in one box
+    stored = plan_save([[spec("w", (4096, 1024))]]).metadata  # 16 MiB in one box
     plan = plan_load(stored, [spec("w", (4096, 1024), (1024, 0), (1024, 1024))])  # rows 1024..2047
     (read,) = plan.reads
     assert (read.start, read.end) == (4 << 20, 8 << 20)
@@ -50,14 +50,14 @@ def test_load_plan_reads_only_the_chunks_it_needs():
 
 
 def test_load_plan_merges_reads_of_one_stored_box():
-    stored = plan_save([[spec("qkv", (12, 4))]], [[]]).metadata
+    stored = plan_save([[spec("qkv", (12, 4))]]).metadata
     wanted = [spec("qkv", (12, 4), (0, 0), (4, 4)), spec("qkv", (12, 4), (4, 0), (8, 4))]
     plan = plan_load(stored, wanted)
     assert len(plan.reads) == 1 and len(plan.reads[0].copies) == 2
 
 
 def test_load_plan_coverage_and_missing():
-    stored = plan_save([[spec("w", (8, 2), (0, 0), (4, 2))], [spec("w", (8, 2), (6, 0), (2, 2))]], [[], []]).metadata
+    stored = plan_save([[spec("w", (8, 2), (0, 0), (4, 2))], [spec("w", (8, 2), (6, 0), (2, 2))]]).metadata
     with pytest.raises(LoadMismatchError, match=r"w: no stored box covers region offsets \[4, 0\] lengths \[2, 2\]"):
         plan_load(stored, [spec("w", (8, 2))])
     assert plan_load(stored, [spec("nope", (1,))]).missing == ["nope"]

@@ -6,9 +6,7 @@ flat partitions (uneven, across 2 and 3 ranks) through the core's packed-fragmen
 import math
 import os
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor

@@ -1,0 +1,82 @@
+"""The staging pool: reusable host buffers that snapshots copy into.
+
+Allocated once, touched, page aligned, and reused: copying into touched memory ran 4-8x faster
+here than cloning into fresh memory (page faults), and aligned buffers let the local backend
+write with O_DIRECT. Two slots alternate so a save can snapshot while the previous one writes;
+the total never exceeds the cap. Pinned when tensors live on a GPU.
+"""
+from __future__ import annotations
+
+import threading
+from typing import List, Optional
+
+import torch
+
+ALIGN = 4096
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
+
+
+class StagingSlot:
+    def __init__(self, pool: "StagingPool", index: int):
+        self.pool, self.index = pool, index
+        self.buffer: Optional[torch.Tensor] = None  # uint8, page aligned
+
+    def ensure(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """A buffer of at least `nbytes`; grows (reallocates and touches) only when too small."""
+        if self.buffer is None or self.buffer.numel() < nbytes or (pin and not self.buffer.is_pinned()):
+            self.buffer = None  # release before allocating: the cap counts both
+            raw = torch.empty(align_up(nbytes) + ALIGN, dtype=torch.uint8, pin_memory=pin)
+            start = (-raw.data_ptr()) % ALIGN
+            self.buffer = raw[start:start + align_up(nbytes)]
+            self.buffer.zero_()  # touch every page now, not during a snapshot
+        return self.buffer
+
+    def release(self) -> None:
+        self.pool._release(self)
+
+
+class StagingPool:
+    """Two alternating slots, at most `cap_bytes` in all (None: no cap)."""
+
+    def __init__(self, cap_bytes: Optional[int] = None):
+        self.cap_bytes = cap_bytes
+        self._slots: List[StagingSlot] = [StagingSlot(self, 0), StagingSlot(self, 1)]
+        self._free = list(self._slots)
+        self._cond = threading.Condition()
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(s.buffer.numel() for s in self._slots if s.buffer is not None)
+
+    def acquire(self, nbytes: int, pin: bool = False) -> StagingSlot:
+        """A slot holding `nbytes`, waiting for one to be released if both are busy.
+
+        When two slots of this size would exceed the cap, only one is used (the next save then
+        waits for the previous one's writes). More than the cap for one slot is an error.
+        """
+        need = align_up(nbytes)
+        if self.cap_bytes is not None and need > self.cap_bytes:
+            raise MemoryError(f"this rank must stage {need / 2**20:.1f} MiB but the staging cap is "
+                              f"{self.cap_bytes / 2**20:.1f} MiB; raise staging_cap_bytes or save "
+                              "from more ranks")
+        single = self.cap_bytes is not None and 2 * need > self.cap_bytes
+        with self._cond:
+            while True:
+                candidates = [s for s in self._free if not single or s.index == 0]
+                if candidates and (not single or len(self._free) == len(self._slots)):
+                    slot = max(candidates, key=lambda s: s.buffer.numel() if s.buffer is not None else -1)
+                    self._free.remove(slot)
+                    break
+                self._cond.wait()
+        if single:
+            self._slots[1].buffer = None
+        slot.ensure(nbytes, pin)
+        return slot
+
+    def _release(self, slot: StagingSlot) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify_all()
