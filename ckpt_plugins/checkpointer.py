@@ -214,17 +214,20 @@ class Checkpointer:
                 [StageItem(f, off, o[2]) for o, (f, off) in zip(objects, placed)]
         job = StagedWrite(storage, stage)
         pin = any(isinstance(s.source, torch.Tensor) and s.source.device.type == "cuda" for s in stage)
-        slot = self.pool.acquire(job.nbytes, pin=pin)
         info = handle.info
         info.rank_bytes, info.balance = sum(item.nbytes for item in stage), cached.balance
         info.collectives = coord.collectives - before
         info.timings["plan"] = t_plan - t0
 
+        slot = []
+
         def snapshot() -> None:  # a failure reaches every rank through the writes and the commit
             t = time.perf_counter()
             try:
-                job.snapshot(slot.buffer)
+                slot.append(self.pool.acquire(job.nbytes, pin=pin))  # may wait for an earlier save's slot
+                job.snapshot(slot[0].buffer)
             except BaseException as exc:
+                job.fail(exc)
                 log.error("snapshot for %s failed: %s", storage, _describe(exc))
             finally:
                 info.timings["snapshot"] = time.perf_counter() - t
@@ -302,7 +305,8 @@ class Checkpointer:
         finally:
             if snap_thread is not None:
                 snap_thread.join()
-            slot.release()
+            if slot:
+                slot[0].release()
         info.timings["write"] = time.perf_counter() - t
         t = time.perf_counter()
         try:

@@ -84,10 +84,14 @@ class StagedWrite:
                 self._ready = dict(self.sizes)
                 self._cond.notify_all()
         except BaseException as exc:
-            with self._cond:
-                self._failed = exc
-                self._cond.notify_all()
+            self.fail(exc)
             raise
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop the writers: the snapshot cannot complete."""
+        with self._cond:
+            self._failed = exc
+            self._cond.notify_all()
 
     def write(self, threads: int) -> List[List[int]]:
         """Write every file as the snapshot progresses; returns each item's chunk checksums."""
@@ -109,7 +113,7 @@ class StagedWrite:
                     while self._ready[name] < target and self._failed is None:
                         self._cond.wait()
                     if self._failed is not None:
-                        raise RuntimeError(f"snapshot failed: {self._failed}")
+                        raise RuntimeError(f"snapshot failed: {type(self._failed).__name__}: {self._failed}")
                 writer.write(_bytes(self.buffer[base + pos:base + target]))
                 pos = target
                 while pending and self.items[pending[0]].offset + self.items[pending[0]].nbytes <= pos:

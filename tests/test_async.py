@@ -1,0 +1,185 @@
+"""The engine: async and overlapped saves, ordering, plan cache, staging cap, failures, read-once loads."""
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ckpt_plugins as cp
+from ckpt_plugins.storage import LocalStorage
+from distributed import run_ranks
+
+
+def make(seed=0, width=64, depth=6):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+
+def values(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_loads_as(path, expected):
+    model = make(seed=99)
+    cp.load(path, {"model": model})
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+
+def test_async_save_snapshots_before_returning(tmp_path):
+    model = make()
+    before = values(model)
+    handle = cp.save(tmp_path / "a", {"model": model}, async_=True)
+    assert isinstance(handle, cp.SaveHandle)
+    with torch.no_grad():  # training mutates its tensors right away
+        for p in model.parameters():
+            p.add_(1.0)
+    info = handle.wait()
+    assert handle.done() and info.timings["stall"] > 0 and info.total_bytes >= sum(v.nbytes for v in before.values())
+    assert_loads_as(tmp_path / "a", before)
+
+
+def test_overlapped_save_returns_before_the_snapshot(tmp_path, monkeypatch):
+    from ckpt_plugins.engine import StagedWrite
+    gate = threading.Event()
+    original = StagedWrite.snapshot
+    monkeypatch.setattr(StagedWrite, "snapshot", lambda self, buf: (gate.wait(), original(self, buf)))
+    model = make()
+    before = values(model)
+    handle = cp.Checkpointer().save(tmp_path / "o", {"model": model}, overlap=True)
+    assert not handle._snapshot.is_set()  # returned while the copy has not even started
+    gate.set()
+    handle.wait_snapshot()  # what the training loop calls before its next optimizer step
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    handle.wait()
+    assert_loads_as(tmp_path / "o", before)
+
+
+def test_saves_commit_in_order_and_staging_is_reused(tmp_path):
+    ckpt = cp.Checkpointer()
+    model = make()
+    expected, handles = [], []
+    for i in range(4):
+        with torch.no_grad():
+            model[0].weight.fill_(float(i))
+        expected.append(values(model))
+        handles.append(ckpt.save(tmp_path / f"s{i}", {"model": model}, async_=True, step=i))
+    handles[-1].wait()
+    assert all(h.done() for h in handles)  # an earlier save never commits after a later one
+    mtimes = [os.stat(tmp_path / f"s{i}" / "metadata.json").st_mtime_ns for i in range(4)]
+    assert mtimes == sorted(mtimes)
+    for i in range(4):
+        assert_loads_as(tmp_path / f"s{i}", expected[i])
+        assert cp.read_metadata(tmp_path / f"s{i}").step == i
+    assert ckpt.pool.allocated_bytes <= 2 * (handles[0].info.rank_bytes + 2 * 4096 + 4096)
+    assert handles[0].info.plan_cached is False and all(h.info.plan_cached for h in handles[1:])
+
+
+def test_staging_cap(tmp_path):
+    model = make()
+    need = sum(v.nbytes for v in model.state_dict().values())
+    with pytest.raises(cp.SaveError, match=r"MemoryError: this rank must stage .* MiB but the staging cap is"):
+        cp.Checkpointer(staging_cap_bytes=need // 2).save(tmp_path / "x", {"model": model})
+    # room for one slot only: saves still work, one at a time, never above the cap
+    ckpt = cp.Checkpointer(staging_cap_bytes=need + need // 2 + 8192)
+    handles = [ckpt.save(tmp_path / f"y{i}", {"model": model}, async_=True) for i in range(3)]
+    for h in handles:
+        h.wait()
+    assert ckpt.pool.allocated_bytes <= ckpt.pool.cap_bytes
+    assert_loads_as(tmp_path / "y2", values(model))
+
+
+# ------------------------------------------------------------------ multi-process
+
+
+def cache_worker(rank, world, root):
+    ckpt = cp.Checkpointer()
+    model = make(seed=rank)  # replicas differ only in values: structure is what the plan depends on
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(make(seed=0).state_dict()[[n for n, q in model.named_parameters() if q is p][0]])
+    first = ckpt.save(f"{root}/c0", {"model": model})
+    assert not first.plan_cached and first.collectives == 3  # agreement all-reduce, gather, scatter
+    second = ckpt.save(f"{root}/c1", {"model": model})
+    assert second.plan_cached and second.collectives == 1  # the agreement check only
+    # one rank's structure changes: every rank replans
+    state = {"model": model, "extra": {"t": torch.ones(3)}} if rank == 1 else {"model": model, "extra": {}}
+    third = ckpt.save(f"{root}/c2", state)
+    assert not third.plan_cached and third.collectives == 3
+    meta = cp.read_metadata(f"{root}/c2")
+    assert "extra/t" in meta.tensors
+
+
+def test_plan_cache_skips_planning_collectives(tmp_path):
+    run_ranks(2, cache_worker, str(tmp_path))
+    assert_loads_as(tmp_path / "c1", values(make(seed=0)))
+
+
+class FailOnRank1(LocalStorage):
+    def open_writer(self, name):
+        time.sleep(0.2)
+        raise OSError(5, "Input/output error")
+
+
+def failure_worker(rank, world, root):
+    model = make()
+    storage = FailOnRank1(f"{root}/f") if rank == 1 else LocalStorage(f"{root}/f")
+    handle = cp.save(storage, {"model": model}, async_=True)
+    start = time.monotonic()
+    with pytest.raises(cp.SaveError, match=r"rank 1 failed to write: OSError: .*Input/output error "
+                                           r"\(writing data/r1-0.bin"):
+        handle.wait(timeout=60)
+    assert time.monotonic() - start < 30
+    assert not os.path.exists(f"{root}/f/metadata.json")
+    # the group is still usable, and the next save works
+    cp.save(f"{root}/g", {"model": model})
+
+
+def test_a_failed_async_write_raises_on_every_rank_without_hanging(tmp_path):
+    run_ranks(2, failure_worker, str(tmp_path))
+    assert_loads_as(tmp_path / "g", values(make()))
+
+
+def interleave_worker(rank, world, root):
+    """Background commits run on their own group while training issues collectives."""
+    model = make()
+    handles = []
+    for step in range(3):
+        handles.append(cp.save(f"{root}/i{step}", {"model": model}, async_=True))
+        for _ in range(20):
+            t = torch.ones(1000)
+            dist.all_reduce(t)
+            assert t[0].item() == world
+    for h in handles:
+        h.wait(timeout=60)
+
+
+def test_background_commits_do_not_interleave_with_training_collectives(tmp_path):
+    run_ranks(2, interleave_worker, str(tmp_path))
+    assert_loads_as(tmp_path / "i2", values(make()))
+
+
+def read_once_worker(rank, world, path, totals_path):
+    model = make(seed=7, depth=24)
+    result = cp.load(path, {"model": model})
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, make(depth=24).state_dict()[k]), k
+    totals = [None] * world
+    dist.all_gather_object(totals, result.read_bytes)
+    if rank == 0:
+        torch.save(totals, totals_path)
+
+
+def test_replicated_load_reads_each_byte_once(tmp_path):
+    cp.save(tmp_path / "r", {"model": make(depth=24)})
+    run_ranks(4, read_once_worker, str(tmp_path / "r"), str(tmp_path / "totals"))
+    totals = torch.load(tmp_path / "totals")
+    stored = sum(b.nbytes for t in cp.read_metadata(tmp_path / "r").tensors.values() for b in t.boxes)
+    print(f"read-once load on 4 ranks: bytes read per rank {totals}, checkpoint tensors {stored}")
+    assert sum(totals) == stored  # not 4x
+    assert max(totals) < 0.4 * stored  # and spread over the ranks
