@@ -5,6 +5,7 @@ the plan cache from one save to the next.
 """
 from __future__ import annotations
 
+import atexit
 from typing import Any, Dict
 
 import torch.distributed as dist
@@ -15,6 +16,15 @@ __all__ = ["save", "load", "checkpointer", "Checkpointer", "SaveInfo", "SaveHand
            "read_metadata", "check_files"]
 
 _checkpointers: Dict[Any, Checkpointer] = {}
+
+
+@atexit.register
+def _close_all() -> None:
+    """Finish pending saves and drop the checkpoint groups before the interpreter tears down
+    (process groups freed during finalization could abort the process)."""
+    for ckpt in _checkpointers.values():
+        ckpt.close()
+    _checkpointers.clear()
 
 
 def checkpointer(process_group=None) -> Checkpointer:

@@ -355,6 +355,11 @@ class Checkpointer:
         if self._last is not None:
             self._last.wait()
 
+    def close(self) -> None:
+        """Let pending saves finish, then release the background thread and the checkpoint groups."""
+        self._executor.shutdown(wait=True)
+        self._fg = self._bg = None
+
     # ------------------------------------------------------------ load
 
     def load(self, path, state: Dict[str, Any], *, strict: bool = True) -> LoadResult:

@@ -1,6 +1,7 @@
 """Run a function on N real processes joined by a gloo group on 127.0.0.1."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 from datetime import timedelta
@@ -16,6 +17,7 @@ def free_port() -> int:
 
 
 def _worker(rank, world_size, port, fn, args):
+    faulthandler.enable()  # a native abort in a rank prints every thread's Python stack
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=120))
