@@ -24,6 +24,7 @@ from .dist import Coordinator
 from .engine import StagedWrite, StageItem, read_checked, read_items
 from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, LoadMismatchError,
                      MetadataError, NotACheckpointError, SaveError, UnsafePathError)
+from .fragment import sub_view
 from .format import DATA_DIR, METADATA_FILE, Metadata, ObjectMeta, decode_metadata, dtype_name
 from .objects import decode_object, encode_object
 from .plan import (SavePlan, TensorSpec, WriteItem, assign_transfers, place, plan_load, plan_save,
@@ -210,7 +211,8 @@ class Checkpointer:
 
         obj_file = f"{DATA_DIR}/r{coord.rank}-objects.bin"
         placed, _ = place([len(o[2]) for o in objects], [obj_file])
-        stage = [StageItem(w.file, w.offset, fragments[w.index].local) for w in cached.writes] + \
+        stage = [StageItem(w.file, w.offset, sub_view(fragments[w.index].local, fragments[w.index].offsets, w.box))
+                 for w in cached.writes] + \
                 [StageItem(f, off, o[2]) for o, (f, off) in zip(objects, placed)]
         job = StagedWrite(storage, stage)
         pin = any(isinstance(s.source, torch.Tensor) and s.source.device.type == "cuda" for s in stage)
@@ -278,12 +280,13 @@ class Checkpointer:
             raise SaveError(f"rank {failed[0][0]}: {failed[0][1]}; nothing was saved")
         if not flags[0]:
             return self._cache, True
-        gathered = coord.gather((specs, aliases))
+        gathered = coord.gather((specs, aliases, key))
         status = None
         if coord.is_coordinator:
             try:
                 plan = plan_save([g[0] for g in gathered], files_per_rank=self.threads,
-                                 aliases={k: v for g in gathered for k, v in g[1].items()})
+                                 aliases={k: v for g in gathered for k, v in g[1].items()},
+                                 digests=[g[2] for g in gathered])
                 status = [("ok", w, plan.rank_bytes[r], plan.balance) for r, w in enumerate(plan.writes)]
             except Exception as exc:
                 status = [("error", _describe(exc), 0, 0.0)] * coord.world_size

@@ -37,6 +37,7 @@ class TensorSpec:
 @dataclass(frozen=True)
 class WriteItem:
     index: int  # position in the rank's list of tensor specs
+    box: Box  # the part of that spec's box to write (all of it, or a row range)
     file: str
     offset: int
 
@@ -56,6 +57,7 @@ class SavePlan:
 
 
 ITEM_ALIGN = 64  # every item starts 64-byte aligned: typed views and O_DIRECT pieces stay aligned
+SPLIT_BYTES = 16 << 20  # replicated boxes are split into row ranges of at least this many bytes
 
 
 def place(sizes: Sequence[int], names: Sequence[str]) -> Tuple[List[Tuple[str, int]], Dict[str, int]]:
@@ -77,20 +79,21 @@ def data_file_names(rank: int, count: int) -> List[str]:
 
 
 def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
-              aliases: Optional[Dict[str, str]] = None) -> SavePlan:
+              aliases: Optional[Dict[str, str]] = None, digests: Optional[Sequence[bytes]] = None) -> SavePlan:
     """Build the global save plan from every rank's tensor specs (index = rank).
 
-    Ranks with identical spec lists (data-parallel replicas) are validated once; each distinct
-    box goes to the least-loaded rank holding it, biggest boxes first.
+    Ranks with identical spec lists (data-parallel replicas; same `digests` when the ranks
+    computed them) are validated once; each distinct box goes to the least-loaded rank holding
+    it, biggest boxes first.
     """
     world = len(tensors)
     metas: Dict[str, TensorMeta] = {}
     holders: Dict[Tuple[str, Box], List[int]] = {}  # box -> ranks holding it
     sizes: Dict[Tuple[str, Box], int] = {}
     leader_of: List[int] = []  # rank -> first rank with an identical spec list
-    unique: Dict[tuple, int] = {}
+    unique: Dict[object, int] = {}
     for rank, specs in enumerate(tensors):
-        leader_of.append(unique.setdefault(tuple(specs), rank))
+        leader_of.append(unique.setdefault(digests[rank] if digests else tuple(specs), rank))
     groups: Dict[int, List[int]] = {}
     for rank, leader in enumerate(leader_of):
         groups.setdefault(leader, []).append(rank)
@@ -112,25 +115,38 @@ def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
                 holders.setdefault(box, []).extend(ranks)
                 sizes[box] = spec.nbytes
 
+    # Replicated boxes big enough are cut into row ranges so several holders write them in parallel.
+    pieces = []  # (key, piece box, nbytes, parent box)
+    for box, ranks in holders.items():
+        key, (offs, lens) = box
+        n = min(len(ranks), sizes[box] // SPLIT_BYTES, lens[0] if lens else 1)
+        if n < 2:
+            pieces.append((key, box[1], sizes[box], box))
+            continue
+        row_bytes = sizes[box] // lens[0]
+        for i in range(n):
+            lo, hi = lens[0] * i // n, lens[0] * (i + 1) // n
+            pieces.append((key, ((offs[0] + lo,) + offs[1:], (hi - lo,) + lens[1:]), (hi - lo) * row_bytes, box))
+
     load = [0] * world
-    assigned: List[List[int]] = [[] for _ in range(world)]
-    for box in sorted(holders, key=lambda b: (-sizes[b], b)):
-        rank = min(holders[box], key=lambda r: (load[r], r))
-        assigned[rank].append(box_index[leader_of[rank]][box])
-        load[rank] += sizes[box]
+    assigned: List[List[Tuple[int, Box, int]]] = [[] for _ in range(world)]  # (spec index, box, nbytes)
+    for key, piece, nbytes, parent in sorted(pieces, key=lambda p: (-p[2], p[0], p[1])):
+        rank = min(holders[parent], key=lambda r: (load[r], r))
+        assigned[rank].append((box_index[leader_of[rank]][parent], piece, nbytes))
+        load[rank] += nbytes
 
     writes: List[List[WriteItem]] = []
     stored: List[List[StoredBox]] = []
     files: Dict[str, int] = {}
     for rank in range(world):
-        specs = [tensors[rank][i] for i in assigned[rank]]
-        placed, used = place([s.nbytes for s in specs], data_file_names(rank, files_per_rank))
+        placed, used = place([a[2] for a in assigned[rank]], data_file_names(rank, files_per_rank))
         files.update(used)
-        writes.append([WriteItem(i, f, o) for i, (f, o) in zip(assigned[rank], placed)])
-        entries = [StoredBox(file=f, offset=o, nbytes=s.nbytes, crc32c=[], offsets=s.offsets, lengths=s.lengths)
-                   for s, (f, o) in zip(specs, placed)]
-        for spec, entry in zip(specs, entries):
-            metas[spec.key].boxes.append(entry)
+        writes.append([WriteItem(i, box, f, o) for (i, box, _), (f, o) in zip(assigned[rank], placed)])
+        entries = []
+        for (index, (offsets, lengths), nbytes), (f, o) in zip(assigned[rank], placed):
+            entry = StoredBox(file=f, offset=o, nbytes=nbytes, crc32c=[], offsets=offsets, lengths=lengths)
+            metas[tensors[rank][index].key].boxes.append(entry)
+            entries.append(entry)
         stored.append(entries)
     for meta in metas.values():
         meta.boxes.sort(key=lambda b: b.offsets)
@@ -257,27 +273,32 @@ def read_request(read: ReadItem) -> Tuple[str, int, int, int]:
     return read.stored.file, read.stored.offset, read.start, read.end
 
 
-def assign_transfers(requests: Sequence[Sequence[Tuple[str, int, int, int]]]) -> Dict[Tuple[str, int], Transfer]:
+def assign_transfers(requests: Sequence[Sequence[Tuple[str, int, int, int]]],
+                     digests: Optional[Sequence[bytes]] = None) -> Dict[Tuple[str, int], Transfer]:
     """Pick one reader for every stored item that several ranks read (pure; same on every rank).
 
     The reader is one of the ranks needing the item, balancing bytes read across ranks; it reads
-    the union of the needed ranges. Items only one rank needs are left to that rank.
+    the union of the needed ranges. Items only one rank needs are left to that rank. Ranks with
+    identical request lists (same `digests`) are handled as one group.
     """
-    needs: Dict[Tuple[str, int], List[Tuple[int, int, int]]] = {}
+    groups: Dict[object, List[int]] = {}
     for rank, reqs in enumerate(requests):
-        for file, offset, start, end in reqs:
-            needs.setdefault((file, offset), []).append((rank, start, end))
+        groups.setdefault(digests[rank] if digests else tuple(reqs), []).append(rank)
+    needs: Dict[Tuple[str, int], List[Tuple[List[int], int, int]]] = {}
+    for ranks in groups.values():
+        for file, offset, start, end in requests[ranks[0]]:
+            needs.setdefault((file, offset), []).append((ranks, start, end))
     load = [0] * len(requests)
-    for item, ranks in needs.items():
-        if len(ranks) == 1:
-            load[ranks[0][0]] += ranks[0][2] - ranks[0][1]
+    shared = []
+    for item, users in needs.items():
+        if len(users) == 1 and len(users[0][0]) == 1:
+            load[users[0][0][0]] += users[0][2] - users[0][1]
+        else:
+            shared.append((min(s for _, s, _ in users), max(e for _, _, e in users), item))
     out: Dict[Tuple[str, int], Transfer] = {}
-    shared = sorted((i for i, r in needs.items() if len(r) > 1),
-                    key=lambda i: (-(max(e for _, _, e in needs[i]) - min(s for _, s, _ in needs[i])), i))
-    for tag, item in enumerate(shared):
-        ranks = needs[item]
-        start, end = min(s for _, s, _ in ranks), max(e for _, _, e in ranks)
-        reader = min((r for r, _, _ in ranks), key=lambda r: (load[r], r))
+    for tag, (start, end, item) in enumerate(sorted(shared, key=lambda x: (x[0] - x[1], x[2]))):
+        needers = sorted(r for ranks, _, _ in needs[item] for r in ranks)
+        reader = min(needers, key=lambda r: (load[r], r))
         load[reader] += end - start
-        out[item] = Transfer(reader, tuple(sorted(r for r, _, _ in ranks)), start, end, tag)
+        out[item] = Transfer(reader, tuple(needers), start, end, tag)
     return out

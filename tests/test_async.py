@@ -183,3 +183,21 @@ def test_replicated_load_reads_each_byte_once(tmp_path):
     print(f"read-once load on 4 ranks: bytes read per rank {totals}, checkpoint tensors {stored}")
     assert sum(totals) == stored  # not 4x
     assert max(totals) < 0.4 * stored  # and spread over the ranks
+
+
+def split_save_worker(rank, world, path):
+    import ckpt_plugins.plan as plan
+    plan.SPLIT_BYTES = 4096  # make this small model's replicated boxes big enough to split
+    info = cp.save(path, {"model": make(width=128, depth=4)})
+    assert info.balance < 1.05
+
+
+def test_split_replicated_boxes_round_trip(tmp_path):
+    run_ranks(2, split_save_worker, str(tmp_path / "s"))
+    meta = cp.read_metadata(tmp_path / "s")
+    weight = meta.tensors["model/0.weight"]
+    assert len(weight.boxes) == 2 and {b.file.split("-")[0] for b in weight.boxes} == {"data/r0", "data/r1"}
+    model = make(seed=3, width=128, depth=4)
+    cp.load(tmp_path / "s", {"model": model})
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, make(width=128, depth=4).state_dict()[k]), k

@@ -61,3 +61,22 @@ def test_load_plan_coverage_and_missing():
     with pytest.raises(LoadMismatchError, match=r"w: no stored box covers region offsets \[4, 0\] lengths \[2, 2\]"):
         plan_load(stored, [spec("w", (8, 2))])
     assert plan_load(stored, [spec("nope", (1,))]).missing == ["nope"]
+
+
+def test_big_replicated_boxes_are_split_across_their_holders():
+    big = spec("emb", (4096, 4096))  # 64 MiB held by 4 ranks: 4 row ranges, one per rank
+    plan = plan_save([[big]] * 4)
+    boxes = plan.metadata.tensors["emb"].boxes
+    assert [(b.offsets, b.lengths) for b in boxes] == [((i * 1024, 0), (1024, 4096)) for i in range(4)]
+    assert plan.rank_bytes == [16 << 20] * 4 and plan.balance == 1.0
+    assert sorted(w.box for ws in plan.writes for w in ws) == [(b.offsets, b.lengths) for b in boxes]
+    assert len(plan_save([[big]]).metadata.tensors["emb"].boxes) == 1  # one holder: nothing to split
+
+
+def test_read_once_assignment_reads_every_shared_range_once():
+    from ckpt_plugins.plan import assign_transfers
+    reqs = [[("f", 0, 0, 100), ("f", 200, 0, 50)], [("f", 0, 0, 60)], [("f", 0, 40, 100)], [("g", 0, 0, 8)]]
+    out = assign_transfers(reqs)
+    assert set(out) == {("f", 0)}  # items one rank needs stay with that rank
+    t = out[("f", 0)]
+    assert (t.start, t.end, t.needers) == (0, 100, (0, 1, 2)) and t.reader in (1, 2)  # rank 0 reads more already
