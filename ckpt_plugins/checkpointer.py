@@ -27,8 +27,8 @@ from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpoi
 from .fragment import sub_view
 from .format import DATA_DIR, METADATA_FILE, Metadata, ObjectMeta, decode_metadata, dtype_name
 from .objects import decode_object, encode_object
-from .plan import (SavePlan, TensorSpec, WriteItem, assign_transfers, place, plan_load, plan_save,
-                   read_request)
+from .plan import (SavePlan, TensorSpec, WriteItem, assign_transfers, candidate_keys, place, plan_load,
+                   plan_save, read_request, resolve_key)
 from .staging import StagingPool
 from .state import root_handler
 from .storage import Storage, storage_for
@@ -107,7 +107,8 @@ def _raise_first(coord: Coordinator, errors: List[Optional[str]]) -> None:
 
 
 def _specs(fragments) -> List[TensorSpec]:
-    return [TensorSpec(f.key, tuple(f.global_shape), dtype_name(f.dtype), tuple(f.offsets), tuple(f.lengths))
+    return [TensorSpec(f.key, tuple(f.global_shape), dtype_name(f.dtype), tuple(f.offsets), tuple(f.lengths),
+                       tuple(f.sources), f.cast)
             for f in fragments]
 
 
@@ -235,20 +236,25 @@ class Checkpointer:
                 info.timings["snapshot"] = time.perf_counter() - t
                 handle._snapshot.set()
 
-        snap_thread = None
-        if overlap:
-            snap_thread = threading.Thread(target=snapshot, name="ckpt-snapshot", daemon=True)
-            snap_thread.start()
-        else:
-            snapshot()
-        info.timings["stall"] = time.perf_counter() - t0
-
         object_entries = [(key, ObjectMeta(file=f, offset=off, nbytes=len(data), crc32c=[], encoding=enc, rank=rank))
                           for (key, enc, data, rank), (f, off) in zip(objects, placed)]
         meta_extra = dict(framework=framework, layout=dict(layout or {}), step=step)
         self._last = handle
-        self._executor.submit(self._write_and_commit, handle, storage, job, slot, snap_thread, cached,
-                              object_entries, meta_extra, len(cached.writes))
+        if overlap:
+            threading.Thread(target=snapshot, name="ckpt-snapshot", daemon=True).start()
+
+        def start_writes() -> None:  # the writers follow the snapshot's progress piece by piece
+            self._executor.submit(self._write_and_commit, handle, storage, job, slot, cached,
+                                  object_entries, meta_extra, len(cached.writes))
+
+        if async_ and not overlap:
+            snapshot()  # training waits for this alone: it gets the cores to itself
+            start_writes()
+        else:
+            start_writes()
+            if not overlap:
+                snapshot()  # sync: writing starts while the later tensors are still being copied
+        info.timings["stall"] = time.perf_counter() - t0
         if async_ or overlap:
             return handle
         return handle.wait()
@@ -296,7 +302,7 @@ class Checkpointer:
         self._cache = _CachedPlan(key, writes, rank_bytes, plan if coord.is_coordinator else None, balance)
         return self._cache, False
 
-    def _write_and_commit(self, handle: SaveHandle, storage: Storage, job: StagedWrite, slot, snap_thread,
+    def _write_and_commit(self, handle: SaveHandle, storage: Storage, job: StagedWrite, slot,
                           cached: _CachedPlan, object_entries, meta_extra, n_tensor_items: int) -> None:
         bg, info = self._bg, handle.info
         t = time.perf_counter()
@@ -306,8 +312,7 @@ class Checkpointer:
         except Exception as exc:
             result = ("error", f"{_describe(exc)} (writing {', '.join(sorted(job.sizes)) or 'nothing'})", None)
         finally:
-            if snap_thread is not None:
-                snap_thread.join()
+            handle._snapshot.wait()  # the snapshot has taken its slot (or failed) and stopped copying
             if slot:
                 slot[0].release()
         info.timings["write"] = time.perf_counter() - t
@@ -382,9 +387,12 @@ class Checkpointer:
             metadata = read_metadata(storage)
             check_files(storage, metadata)
             items = root_handler(state).load_items("", metadata)
-            plan = plan_load(metadata, _specs(items.fragments))
-            wanted = sorted({f.key for f in items.fragments} | set(items.objects) | set(items.per_rank)
-                            | items.accepted)
+            specs = _specs(items.fragments)
+            plan = plan_load(metadata, specs)
+            # every stored candidate of a wanted tensor counts as used: a bf16 weight is not left
+            # over when its fp32 master filled the model
+            wanted = sorted({resolve_key(metadata, k) for s in specs for k in candidate_keys(s)}
+                            | {s.key for s in specs} | set(items.objects) | set(items.per_rank) | items.accepted)
             missing = plan.missing + [k for k in items.objects if k not in metadata.objects]
             requests = [read_request(r) for r in plan.reads]
         except Exception as exc:  # every rank must learn of it, or the others would wait forever

@@ -162,6 +162,22 @@ def copy_out(read: ReadItem, data, targets: Sequence[Fragment], dtype: torch.dty
         sub_view(target.local, target.offsets, copy.region).copy_(src)
 
 
+def _direct_destination(read: ReadItem, targets: Sequence[Fragment], dtype: torch.dtype):
+    """The destination's own bytes when a whole stored box lands unchanged in one contiguous CPU
+    view (same layout, or row resharding): the read then goes straight there, with no copy."""
+    stored = read.stored
+    if len(read.copies) != 1 or (read.start, read.end) != (0, stored.nbytes):
+        return None
+    copy = read.copies[0]
+    if copy.region != (tuple(stored.offsets), tuple(stored.lengths)):
+        return None
+    target = targets[copy.target]
+    view = sub_view(target.local, target.offsets, copy.region)
+    if view.dtype != dtype or view.device.type != "cpu" or not view.is_contiguous() or not view.numel():
+        return None
+    return memoryview(view.reshape(-1).view(torch.uint8).numpy())
+
+
 def read_items(storage: Storage, reads: Sequence[ReadItem], targets: Sequence[Fragment],
                dtypes: Dict[str, str], chunk: int, threads: int = 2,
                transfers: Optional[Dict[int, Transfer]] = None, rank: int = 0, group=None) -> int:
@@ -186,15 +202,17 @@ def read_items(storage: Storage, reads: Sequence[ReadItem], targets: Sequence[Fr
         t = transfers.get(position)
         start, end = (t.start, t.end) if t else (read.start, read.end)
         stored = read.stored
+        dtype = dtype_from_name(dtypes[read.key])
+        direct = None if t is not None else _direct_destination(read, targets, dtype)
         data = read_checked(storage, read.key, stored.file, stored.offset, stored.nbytes, start, end,
-                            stored.crc32c, chunk)
+                            stored.crc32c, chunk, buffer=direct)
         if t is not None:
             tensor = torch.frombuffer(data, dtype=torch.uint8)
             with send_lock:
                 outgoing.extend((dist.isend(tensor, group=group, group_dst=r, tag=t.tag), tensor)
                                 for r in t.needers if r != rank)
-        copy_out(read, memoryview(data)[read.start - start:read.end - start], targets,
-                 dtype_from_name(dtypes[read.key]))
+        if direct is None:
+            copy_out(read, memoryview(data)[read.start - start:read.end - start], targets, dtype)
         return end - start
 
     mine = [p for p in range(len(reads)) if p not in transfers or transfers[p].reader == rank]

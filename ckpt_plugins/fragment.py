@@ -23,6 +23,11 @@ class Fragment:
     dtype: torch.dtype
     offsets: Shape
     local: torch.Tensor  # shape == lengths; a view of the rank's memory
+    # Load only: stored keys that may fill this fragment when `key` is absent or of another dtype
+    # (model weights from fp32 masters, masters from fp32 weights), and whether a stored dtype
+    # other than `dtype` may be converted on load.
+    sources: Tuple[str, ...] = ()
+    cast: bool = False
 
     @property
     def lengths(self) -> Shape:

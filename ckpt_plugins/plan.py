@@ -24,6 +24,8 @@ class TensorSpec:
     dtype: str
     offsets: Shape
     lengths: Shape
+    sources: Tuple[str, ...] = ()  # load only: see Fragment
+    cast: bool = False
 
     @property
     def box(self) -> Box:
@@ -204,6 +206,28 @@ def resolve_key(metadata: Metadata, key: str) -> str:
     return metadata.aliases.get(key, key)
 
 
+def candidate_keys(spec: TensorSpec) -> Tuple[str, ...]:
+    """Every stored key that may fill `spec`, in order of preference."""
+    return (spec.key,) + tuple(spec.sources)
+
+
+def choose_source(metadata: Metadata, spec: TensorSpec) -> Optional[str]:
+    """The stored key that fills `spec`: the first candidate of the wanted dtype, else (when the
+    spec allows a cast) the first present; None when no candidate is stored."""
+    present = [resolve_key(metadata, k) for k in candidate_keys(spec)
+               if resolve_key(metadata, k) in metadata.tensors]
+    if not present:
+        return None
+    for key in present:
+        if metadata.tensors[key].dtype == spec.dtype:
+            return key
+    if spec.cast:
+        return present[0]
+    found = ", ".join(f"{k} is {metadata.tensors[k].dtype}" for k in present)
+    raise LoadMismatchError(f"{spec.key}: the model wants {spec.dtype}, but the checkpoint holds no "
+                            f"{spec.dtype} copy ({found}); convert the model or the checkpoint")
+
+
 def plan_load(metadata: Metadata, wanted: Sequence[TensorSpec]) -> LoadPlan:
     """Reads and copies that fill every wanted box; raises LoadMismatchError on any misfit.
 
@@ -213,17 +237,15 @@ def plan_load(metadata: Metadata, wanted: Sequence[TensorSpec]) -> LoadPlan:
     missing: List[str] = []
     itemsizes = {}
     for target, spec in enumerate(wanted):
-        stored_key = resolve_key(metadata, spec.key)
-        meta = metadata.tensors.get(stored_key)
-        if meta is None:
+        stored_key = choose_source(metadata, spec)
+        if stored_key is None:
             missing.append(spec.key)
             continue
+        meta = metadata.tensors[stored_key]
         if tuple(meta.shape) != tuple(spec.shape):
-            raise LoadMismatchError(f"{spec.key}: checkpoint holds shape {list(meta.shape)}, the model "
+            via = "" if stored_key == spec.key else f" (as {stored_key})"
+            raise LoadMismatchError(f"{spec.key}: checkpoint holds shape {list(meta.shape)}{via}, the model "
                                     f"wants {list(spec.shape)}")
-        if meta.dtype != spec.dtype:
-            raise LoadMismatchError(f"{spec.key}: checkpoint holds {meta.dtype}, the model wants "
-                                    f"{spec.dtype}; convert the model or the checkpoint")
         itemsize = itemsizes.setdefault(meta.dtype, dtype_from_name(meta.dtype).itemsize)
         needed = [spec.box] if math.prod(spec.lengths) else []
         for b, stored in enumerate(meta.boxes):

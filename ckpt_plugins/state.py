@@ -7,10 +7,11 @@ Framework extensions add their own `Handler` subclasses and pass them as state v
 """
 from __future__ import annotations
 
+import functools
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -25,6 +26,20 @@ log = logging.getLogger(__name__)
 
 # Wrapper modules that add a path component without changing the model's own names.
 WRAPPER_COMPONENTS = ("_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module")
+
+# The state keys under which checkpoints move between frameworks: `model/<param>` holds weights in
+# the training dtype, `optim/<param>/<state>` the optimizer's, and `optim/<param>/master` the fp32
+# master weights of mixed-precision frameworks (stored only where they differ from the weights).
+MODEL, OPTIM, MASTER = "model", "optim", "master"
+
+
+def master_key(name: str) -> str:
+    """Where the fp32 master copy of parameter `name` is stored."""
+    return f"{OPTIM}/{name}/{MASTER}"
+
+
+def weight_key(name: str) -> str:
+    return f"{MODEL}/{name}"
 
 
 class PerRank:
@@ -77,18 +92,29 @@ class Handler(ABC):
 # ------------------------------------------------------------------ tensors
 
 
+@functools.lru_cache(maxsize=None)
+def _dtensor_box(shape: torch.Size, mesh, placements) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """This rank's (local shape, global offsets) of a DTensor layout. Cached: it is the same at
+    every save, and recomputing it for every tensor was most of a cached save's planning time."""
+    for placement in placements:
+        if type(placement) not in (Shard, Replicate):
+            raise ValueError(f"DTensor placement {placement} is not supported; only Shard(dim) and "
+                             "Replicate() are")
+    local_shape, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(local_shape), tuple(offsets)
+
+
 def tensor_fragments(key: str, tensor: torch.Tensor) -> List[Fragment]:
     """The fragment of a plain tensor (whole, replicated) or of a DTensor's local shard."""
-    tensor = tensor.detach()
     if not isinstance(tensor, DTensor):
+        tensor = tensor.detach()
         return [Fragment(key, tuple(tensor.shape), tensor.dtype, (0,) * tensor.dim(), tensor)]
-    for placement in tensor.placements:
-        if type(placement) not in (Shard, Replicate):
-            raise ValueError(f"{key}: DTensor placement {placement} is not supported; "
-                             "only Shard(dim) and Replicate() are")
-    shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
-                                                           tensor.placements)
-    local = tensor.to_local()
+    try:
+        shape, offsets = _dtensor_box(tensor.shape, tensor.device_mesh, tuple(tensor.placements))
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+    # the local shard itself: DTensor.to_local()/detach() dispatch through autograd, ~10x slower
+    local = tensor._local_tensor.detach()
     for d, n in enumerate(shape):  # uneven shards may carry padding past the real extent
         if local.shape[d] != n:
             local = local.narrow(d, 0, n)
@@ -110,7 +136,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def _storage_id(tensor: torch.Tensor):
-    t = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    t = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
@@ -153,7 +179,11 @@ class ModuleHandler(Handler):
         own, aliases = self._split_tied(prefix)
         items = LoadItems(accepted=set(aliases))
         for key, tensor in own.items():
-            items.fragments += tensor_fragments(key, tensor)
+            # a checkpoint from a mixed-precision job may hold this weight in our dtype only as its master
+            sources = (master_key(key[len(MODEL) + 1:]),) if prefix == MODEL else ()
+            for frag in tensor_fragments(key, tensor):
+                frag.sources = sources
+                items.fragments.append(frag)
         return items
 
 

@@ -172,3 +172,20 @@ def test_metadata_is_versioned_plain_json(tmp_path):
     raw = json.loads((tmp_path / "c" / "metadata.json").read_text())
     assert raw["format"] == "ckpt_plugins" and raw["version"] == 1 and raw["step"] == 7
     assert raw["tensors"]["model/norm.weight"]["shape"] == [16]
+
+
+def test_fp32_model_loads_the_masters_of_a_mixed_precision_checkpoint(tmp_path):
+    model, _, _ = make(0, tied=False)
+    masters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    low = make(0, tied=False)[0].to(torch.bfloat16)  # bf16 weights + fp32 masters, as a mixed-precision job
+    cp.save(tmp_path / "c", {"model": low, "optim": {n: {"master": m} for n, m in masters.items()}})
+    fp32, _, _ = make(1, tied=False)
+    cp.load(tmp_path / "c", {"model": fp32})  # strict: the bf16 copies count as used
+    for n, p in fp32.named_parameters():
+        assert torch.equal(p, masters[n]), n
+    bf16 = make(1, tied=False)[0].to(torch.bfloat16)
+    cp.load(tmp_path / "c", {"model": bf16})
+    assert all(torch.equal(p, low.state_dict()[n]) for n, p in bf16.named_parameters())
+    half = make(1, tied=False)[0].to(torch.float16)
+    with pytest.raises(cp.LoadMismatchError, match="wants float16, but the checkpoint holds no float16 copy"):
+        cp.load(tmp_path / "c", {"model": half})

@@ -93,7 +93,8 @@ def test_shape_mismatch_names_key_and_shapes(ckpt):
 
 def test_dtype_mismatch(ckpt):
     untouched = model(1).to(torch.bfloat16)
-    with pytest.raises(cp.LoadMismatchError, match=r"checkpoint holds float32, the model wants bfloat16"):
+    with pytest.raises(cp.LoadMismatchError, match=r"model/0\.weight: the model wants bfloat16, but the checkpoint "
+                                                   r"holds no bfloat16 copy \(model/0\.weight is float32\)"):
         cp.load(ckpt, {"model": untouched})
 
 

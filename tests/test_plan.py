@@ -80,3 +80,19 @@ def test_read_once_assignment_reads_every_shared_range_once():
     assert set(out) == {("f", 0)}  # items one rank needs stay with that rank
     t = out[("f", 0)]
     assert (t.start, t.end, t.needers) == (0, 100, (0, 1, 2)) and t.reader in (1, 2)  # rank 0 reads more already
+
+
+def test_load_source_of_the_wanted_dtype_is_preferred_and_casts_need_consent():
+    stored = plan_save([[spec("model/w", (4, 2), dtype="bfloat16"), spec("optim/w/master", (4, 2))]]).metadata
+    weights = spec("model/w", (4, 2))  # an fp32 model
+    with pytest.raises(LoadMismatchError, match=r"model/w: the model wants float32, .*model/w is bfloat16"):
+        plan_load(stored, [weights])
+    from dataclasses import replace
+    (read,) = plan_load(stored, [replace(weights, sources=("optim/w/master",))]).reads
+    assert read.key == "optim/w/master"  # the fp32 master fills an fp32 model exactly
+    (read,) = plan_load(stored, [replace(weights, dtype="bfloat16", sources=("optim/w/master",))]).reads
+    assert read.key == "model/w"  # a bf16 model takes the bf16 weights
+    (read,) = plan_load(stored, [replace(weights, dtype="float16", sources=("optim/w/master",), cast=True)]).reads
+    assert read.key == "model/w"  # no copy of the wanted dtype: the first candidate, converted
+    missing = plan_load(stored, [replace(weights, key="model/v", sources=("optim/v/master",))])
+    assert missing.missing == ["model/v"] and not missing.reads
