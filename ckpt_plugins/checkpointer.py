@@ -30,7 +30,7 @@ from .objects import decode_object, encode_object
 from .plan import (SavePlan, TensorSpec, WriteItem, assign_transfers, candidate_keys, place, plan_load,
                    plan_save, read_request, resolve_key)
 from .staging import StagingPool
-from .state import root_handler
+from .state import LoadItems, root_handler
 from .storage import Storage, storage_for
 
 log = logging.getLogger("ckpt_plugins")
@@ -149,12 +149,19 @@ class _CachedPlan:
 
 
 class Checkpointer:
-    """Saves and loads for the ranks of one process group (every rank calls every method)."""
+    """Saves and loads for the ranks of one process group (every rank calls every method).
 
-    def __init__(self, process_group=None, *, threads: int = 2, staging_cap_bytes: Optional[int] = None,
-                 direct_io: bool = True, timeout: timedelta = timedelta(minutes=10)):
+    `threads`: writer threads (and data files) per rank. `read_threads`: concurrent reads per rank;
+    more than the cores, since reads mostly wait on the device and it serves deeper queues faster
+    (1 -> 4 threads took a 1 GiB cold load from 2.1-2.6 s to 1.2-1.6 s here).
+    """
+
+    def __init__(self, process_group=None, *, threads: int = 2, read_threads: int = 4,
+                 staging_cap_bytes: Optional[int] = None, direct_io: bool = True,
+                 timeout: timedelta = timedelta(minutes=10)):
         self.process_group = process_group
         self.threads = threads
+        self.read_threads = read_threads
         self.direct_io = direct_io
         self.timeout = timeout
         self.pool = StagingPool(staging_cap_bytes)
@@ -381,12 +388,23 @@ class Checkpointer:
         storage = storage_for(path, direct_io=self.direct_io)
         if self._last is not None and self._last.path == str(storage):
             _quiet_wait(self._last)
+        created: List[LoadItems] = []
+        try:
+            return self._load(coord, storage, state, strict, created)
+        except BaseException:
+            for undo in created[0].undo if created else []:
+                undo()  # state this load created (optimizer moments) does not outlive it
+            raise
+
+    def _load(self, coord: Coordinator, storage: Storage, state: Dict[str, Any], strict: bool,
+              created: List[LoadItems]) -> LoadResult:
         before = coord.collectives
         error, wanted, missing, plan, metadata, items, requests = None, [], [], None, None, None, []
         try:
             metadata = read_metadata(storage)
             check_files(storage, metadata)
             items = root_handler(state).load_items("", metadata)
+            created.append(items)
             specs = _specs(items.fragments)
             plan = plan_load(metadata, specs)
             # every stored candidate of a wanted tensor counts as used: a bf16 weight is not left
@@ -412,7 +430,7 @@ class Checkpointer:
         try:
             result.read_bytes = read_items(storage, plan.reads, items.fragments,
                                            {k: m.dtype for k, m in metadata.tensors.items()},
-                                           metadata.chunk_bytes, self.threads, transfers, coord.rank, coord.group)
+                                           metadata.chunk_bytes, self.read_threads, transfers, coord.rank, coord.group)
             for key, setter in items.objects.items():
                 if key in metadata.objects:
                     setter(_read_object(storage, metadata, key, None))

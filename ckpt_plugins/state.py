@@ -38,8 +38,13 @@ def master_key(name: str) -> str:
     return f"{OPTIM}/{name}/{MASTER}"
 
 
-def weight_key(name: str) -> str:
-    return f"{MODEL}/{name}"
+def add_master_sources(prefix: str, fragments: List[Fragment]) -> List[Fragment]:
+    """Let model weights be filled from fp32 masters: a checkpoint from a mixed-precision job may
+    hold a weight in the dtype we want only as its master."""
+    if prefix == MODEL:
+        for frag in fragments:
+            frag.sources = (master_key(frag.key[len(MODEL) + 1:]),)
+    return fragments
 
 
 class PerRank:
@@ -70,6 +75,7 @@ class LoadItems:
     per_rank: Dict[str, Callable[[Any], None]] = field(default_factory=dict)
     accepted: Set[str] = field(default_factory=set)  # keys consumed without a destination (aliases)
     finish: List[Callable[[], None]] = field(default_factory=list)  # after all data has landed
+    undo: List[Callable[[], None]] = field(default_factory=list)  # if the load fails: drop what was created
 
     def extend(self, other: "LoadItems") -> None:
         self.fragments += other.fragments
@@ -77,6 +83,7 @@ class LoadItems:
         self.per_rank.update(other.per_rank)
         self.accepted |= other.accepted
         self.finish += other.finish
+        self.undo += other.undo
 
 
 class Handler(ABC):
@@ -152,8 +159,8 @@ class ModuleHandler(Handler):
     def named_tensors(self) -> Dict[str, torch.Tensor]:
         return {canonical_name(k): v for k, v in self.module.state_dict().items()}
 
-    def param_names(self) -> Dict[int, str]:
-        return {id(p): canonical_name(n) for n, p in self.module.named_parameters()}
+    def param_layouts(self) -> Dict[int, "ParamLayout"]:
+        return {id(p): plain_layout(canonical_name(n), p) for n, p in self.module.named_parameters()}
 
     def _split_tied(self, prefix: str):
         first: Dict[Any, str] = {}
@@ -177,35 +184,54 @@ class ModuleHandler(Handler):
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         own, aliases = self._split_tied(prefix)
-        items = LoadItems(accepted=set(aliases))
-        for key, tensor in own.items():
-            # a checkpoint from a mixed-precision job may hold this weight in our dtype only as its master
-            sources = (master_key(key[len(MODEL) + 1:]),) if prefix == MODEL else ()
-            for frag in tensor_fragments(key, tensor):
-                frag.sources = sources
-                items.fragments.append(frag)
-        return items
+        frags = [f for key, tensor in own.items() for f in tensor_fragments(key, tensor)]
+        return LoadItems(fragments=add_master_sources(prefix, frags), accepted=set(aliases))
 
 
 # ------------------------------------------------------------------ optimizers
 
 
+@dataclass(frozen=True)
+class ParamLayout:
+    """How a tensor shaped like one optimizer-visible parameter maps onto canonical parameters.
+
+    `names`/`shapes`: the canonical parameters it covers (one for a plain or DTensor parameter;
+    several for a flat parameter packing many). `fragments(tensor, key_of)`: the fragments of a
+    tensor of the parameter's local shape (optimizer moments, master weights) under the keys
+    `key_of(name)`. Module handlers provide one per parameter; OptimizerHandler and framework
+    extensions use them so that optimizer state is always stored per canonical parameter.
+    """
+    names: Tuple[str, ...]
+    shapes: Tuple[Tuple[int, ...], ...]
+    fragments: Callable[[torch.Tensor, Callable[[str], str]], List[Fragment]]
+
+
+def plain_layout(name: str, param: torch.Tensor) -> ParamLayout:
+    """A parameter that is one canonical tensor, whole or as a DTensor shard."""
+    return ParamLayout((name,), (tuple(param.shape),), lambda t, key_of: tensor_fragments(key_of(name), t))
+
+
+def _param_shaped(value: Any, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
 class OptimizerHandler(Handler):
     """torch.optim state keyed by parameter name, never by the optimizer's integer ids.
 
-    Tensor state of a parameter's shape takes the parameter's layout (DTensor shards included);
-    param-group hyperparameters are one object, matched to groups by parameter names.
+    State of a parameter's shape goes through the parameter's layout (DTensor shards, flat
+    parameters); other state (the step) is stored under every canonical name the parameter
+    covers. Param-group hyperparameters are one object, matched to groups by parameter names.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Dict[int, str]):
+    def __init__(self, optimizer: torch.optim.Optimizer, layouts: Dict[int, ParamLayout]):
         self.optimizer = optimizer
-        self.names = {}
+        self.layouts = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if id(p) not in param_names:
+                if id(p) not in layouts:
                     raise ValueError(f"optimizer parameter of shape {tuple(p.shape)} belongs to no module "
                                      "in the state: save the model in the same state dict")
-                self.names[id(p)] = param_names[id(p)]
+                self.layouts[id(p)] = layouts[id(p)]
 
     def _params(self):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -213,61 +239,81 @@ class OptimizerHandler(Handler):
     def save_items(self, prefix: str) -> SaveItems:
         items = SaveItems()
         for p in self._params():
-            for name, value in self.optimizer.state.get(p, {}).items():
-                key = f"{prefix}/{self.names[id(p)]}/{name}"
-                if isinstance(value, torch.Tensor):
-                    items.fragments += tensor_fragments(key, value)
+            layout = self.layouts[id(p)]
+            for sname, value in self.optimizer.state.get(p, {}).items():
+                key_of = lambda n, s=sname: f"{prefix}/{n}/{s}"  # noqa: E731
+                if _param_shaped(value, p):
+                    items.fragments += layout.fragments(value, key_of)
+                elif isinstance(value, torch.Tensor):
+                    for name in layout.names:
+                        items.fragments += tensor_fragments(key_of(name), value)
                 else:
-                    items.objects[key] = value
+                    items.objects.update((key_of(name), value) for name in layout.names)
         items.objects[f"{prefix}/param_groups"] = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [self.names[id(p)] for p in g["params"]]}
+            {**{k: v for k, v in g.items() if k != "params"},
+             "params": [n for p in g["params"] for n in self.layouts[id(p)].names]}
             for g in self.optimizer.param_groups]
         return items
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         items = LoadItems()
-        stored = {}  # param name -> {state name: kind}
+        stored: Dict[str, Set[str]] = {}  # param name -> its stored state names
         for key in list(metadata.tensors) + list(metadata.objects):
             if key.startswith(prefix + "/") and key != f"{prefix}/param_groups":
                 pname, _, sname = key[len(prefix) + 1:].rpartition("/")
-                stored.setdefault(pname, {})[sname] = key in metadata.tensors
+                stored.setdefault(pname, set()).add(sname)
         for p in self._params():
-            name = self.names[id(p)]
+            layout = self.layouts[id(p)]
+            if p not in self.optimizer.state:
+                items.undo.append(lambda p=p: self.optimizer.state.pop(p, None))
             state = self.optimizer.state[p]
-            for sname in sorted(set(stored.get(name, {})) | set(state)):  # same order on every rank
-                key = f"{prefix}/{name}/{sname}"
-                is_tensor = stored.get(name, {}).get(sname, isinstance(state.get(sname), torch.Tensor))
-                if not is_tensor:
-                    items.objects[key] = lambda v, s=state, n=sname: s.__setitem__(n, v)
+            snames = set(state).union(*(stored.get(n, set()) for n in layout.names))
+            for sname in sorted(snames):  # same order on every rank
+                key_of = lambda n, s=sname: f"{prefix}/{n}/{s}"  # noqa: E731
+                keys = [key_of(n) for n in layout.names]
+                tensors = [k for k in keys if k in metadata.tensors]
+                if not (tensors or (not any(k in metadata.objects for k in keys)
+                                    and isinstance(state.get(sname), torch.Tensor))):
+                    first = next((k for k in keys if k in metadata.objects), keys[0])
+                    items.objects[first] = lambda v, s=state, n=sname: s.__setitem__(n, v)
+                    items.accepted |= set(keys) - {first}  # one value serves the whole parameter
                     continue
                 if sname not in state:
-                    state[sname] = _allocate_like(p, metadata.tensors.get(key))
-                items.fragments += tensor_fragments(key, state[sname])
+                    state[sname] = _allocate(p, layout, metadata.tensors[tensors[0]])
+                    items.undo.append(lambda s=state, n=sname: s.pop(n, None))
+                if _param_shaped(state[sname], p):
+                    items.fragments += layout.fragments(state[sname], key_of)
+                else:
+                    first = tensors[0] if tensors else keys[0]
+                    items.fragments += tensor_fragments(first, state[sname])
+                    items.accepted |= set(keys) - {first}
         items.objects[f"{prefix}/param_groups"] = self._apply_groups
         return items
 
     def _apply_groups(self, saved_groups: List[dict]) -> None:
         by_param = {name: g for g in saved_groups for name in g["params"]}
         for group in self.optimizer.param_groups:
-            sources = {id(by_param[self.names[id(p)]]) for p in group["params"] if self.names[id(p)] in by_param}
+            names = [n for p in group["params"] for n in self.layouts[id(p)].names]
+            sources = {id(by_param[n]) for n in names if n in by_param}
             if len(sources) > 1:
-                names = [self.names[id(p)] for p in group["params"]]
                 raise LoadMismatchError(f"a param group ({names[:3]}...) mixes parameters from saved groups "
                                         "with different hyperparameters; regroup to match the checkpoint")
             if sources:
-                saved = by_param[next(self.names[id(p)] for p in group["params"] if self.names[id(p)] in by_param)]
+                saved = by_param[next(n for n in names if n in by_param)]
                 group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v)
                               for k, v in saved.items() if k != "params"})
 
 
-def _allocate_like(param: torch.Tensor, meta) -> torch.Tensor:
-    """Zeroed optimizer state for `param`, shaped as the checkpoint stores it."""
+def _allocate(param: torch.Tensor, layout: ParamLayout, meta) -> torch.Tensor:
+    """Optimizer state for `param`, shaped as the checkpoint stores it: like the parameter when
+    stored with a canonical parameter's shape, else as stored (a scalar step). Left unfilled: the
+    load plan has checked that the checkpoint covers all of it, and a failed load removes it."""
     from .format import dtype_from_name
     dtype = dtype_from_name(meta.dtype)
-    if tuple(meta.shape) == tuple(param.shape):
-        return torch.zeros_like(param, dtype=dtype)
-    local = param.to_local() if isinstance(param, DTensor) else param
-    return torch.zeros(meta.shape, dtype=dtype, device=local.device)
+    if tuple(meta.shape) in layout.shapes and param.dim() > 0:
+        return torch.empty_like(param, dtype=dtype)
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    return torch.empty(meta.shape, dtype=dtype, device=local.device)
 
 
 # ------------------------------------------------------------------ generic containers
@@ -292,9 +338,9 @@ class StatefulHandler(Handler):
 class DictHandler(Handler):
     """A dict: tensors become fragments, nested dicts recurse, everything else is an object."""
 
-    def __init__(self, mapping: dict, param_names: Optional[Dict[int, str]] = None):
+    def __init__(self, mapping: dict, layouts: Optional[Dict[int, ParamLayout]] = None):
         self.mapping = mapping
-        self.param_names = param_names or {}
+        self.layouts = layouts or {}
 
     def _children(self, prefix: str):
         for k, v in self.mapping.items():
@@ -303,7 +349,7 @@ class DictHandler(Handler):
     def save_items(self, prefix: str) -> SaveItems:
         items = SaveItems()
         for _, key, value in self._children(prefix):
-            handler = handler_for(value, self.param_names)
+            handler = handler_for(value, self.layouts)
             if handler is not None:
                 items.extend(handler.save_items(key))
             elif isinstance(value, torch.Tensor):
@@ -317,7 +363,7 @@ class DictHandler(Handler):
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         items = LoadItems()
         for k, key, value in self._children(prefix):
-            handler = handler_for(value, self.param_names)
+            handler = handler_for(value, self.layouts)
             if handler is not None:
                 items.extend(handler.load_items(key, metadata))
             elif isinstance(value, torch.Tensor):
@@ -346,27 +392,43 @@ def _object_subtree(metadata: Metadata, prefix: str) -> dict:
     return tree
 
 
-def handler_for(value: Any, param_names: Dict[int, str]) -> Optional[Handler]:
+# Handlers that framework extensions register for their own values (checked first, newest first).
+_REGISTERED: List[Tuple[Callable[[Any], bool], Callable[[Any], Handler]]] = []
+
+
+def register_handler(matches: Callable[[Any], bool], factory: Callable[[Any], Handler]) -> None:
+    """Make `factory(value)` the handler of every state value for which `matches(value)` is true.
+
+    This is how an extension plugs in a framework's values (a model with FSDP1 units, say)
+    without the core knowing them. Both calls should be cheap: they run at every save and load."""
+    _REGISTERED.insert(0, (matches, factory))
+
+
+def handler_for(value: Any, layouts: Dict[int, ParamLayout]) -> Optional[Handler]:
     if isinstance(value, Handler):
         return value
+    for matches, factory in _REGISTERED:
+        if matches(value):
+            return factory(value)
     if isinstance(value, nn.Module):
         return ModuleHandler(value)
     if isinstance(value, torch.optim.Optimizer):
-        return OptimizerHandler(value, param_names)
+        return OptimizerHandler(value, layouts)
     if isinstance(value, dict):
-        return DictHandler(value, param_names)
+        return DictHandler(value, layouts)
     if hasattr(value, "state_dict") and hasattr(value, "load_state_dict") and not isinstance(value, torch.Tensor):
         return StatefulHandler(value)
     return None
 
 
 def root_handler(state: dict) -> DictHandler:
-    """The handler for a whole `state` dict; optimizers find their parameters' names in its modules."""
+    """The handler for a whole `state` dict; optimizers find their parameters' layouts in the
+    handlers of its modules."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of modules, optimizers and objects, got {type(state).__name__}")
-    names: Dict[int, str] = {}
+    layouts: Dict[int, ParamLayout] = {}
     for value in state.values():
-        if isinstance(value, nn.Module):
-            for pid, name in ModuleHandler(value).param_names().items():
-                names.setdefault(pid, name)
-    return DictHandler(state, names)
+        handler = handler_for(value, {}) if isinstance(value, (nn.Module, Handler)) else None
+        for pid, layout in (handler.param_layouts() if hasattr(handler, "param_layouts") else {}).items():
+            layouts.setdefault(pid, layout)
+    return DictHandler(state, layouts)

@@ -151,3 +151,26 @@ def test_a_failed_write_on_one_rank_commits_nothing_and_fails_every_rank(tmp_pat
     run_ranks(2, failing_write_worker, str(tmp_path / "c"))
     with pytest.raises(cp.IncompleteCheckpointError):
         cp.read_metadata(tmp_path / "c")
+
+
+def test_a_failed_load_leaves_no_optimizer_state_behind(tmp_path):
+    m = model()
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    cp.save(tmp_path / "c", {"model": m, "optim": opt})
+    with open(tmp_path / "c" / "data" / "r0-0.bin", "r+b") as f:  # corrupt data: found only while reading
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    fresh = model(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    with pytest.raises(cp.CorruptCheckpointError, match="checksum mismatch"):
+        cp.load(tmp_path / "c", {"model": fresh, "optim": fresh_opt})
+    assert not fresh_opt.state  # the moments it had allocated are gone: no half-filled state
+    wrong = nn.Sequential(nn.Linear(8, 300), nn.Linear(300, 5))
+    wrong_opt = torch.optim.AdamW(wrong.parameters())
+    with pytest.raises(cp.LoadMismatchError, match="shape"):
+        cp.load(tmp_path / "c", {"model": wrong, "optim": wrong_opt})
+    assert not wrong_opt.state
