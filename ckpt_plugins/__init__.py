@@ -3,13 +3,14 @@ from .api import Checkpointer, LoadResult, SaveHandle, SaveInfo, checkpointer, l
 from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, LoadMismatchError,
                      MetadataError, NotACheckpointError, SaveError, UnsafePathError)
 from .fragment import Fragment, box_fragment, flat_fragments, flat_range_boxes
-from .state import Handler, LoadItems, PerRank, SaveItems, tensor_fragments
+from .rng import RNGState, rng_state, set_rng_state
+from .state import Handler, Ignore, LoadItems, PerRank, SaveItems, register_handler, tensor_fragments
 
 __all__ = [
     "save", "load", "read_metadata", "checkpointer", "Checkpointer", "SaveInfo", "SaveHandle", "LoadResult",
-    "PerRank",
+    "PerRank", "RNGState", "rng_state", "set_rng_state",
     "Fragment", "box_fragment", "flat_fragments", "flat_range_boxes", "tensor_fragments",
-    "Handler", "SaveItems", "LoadItems",
+    "Handler", "Ignore", "SaveItems", "LoadItems", "register_handler",
     "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError", "LoadMismatchError",
     "MetadataError", "NotACheckpointError", "SaveError", "UnsafePathError",
 ]

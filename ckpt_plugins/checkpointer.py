@@ -127,6 +127,18 @@ def read_metadata(path) -> Metadata:
         raise NotACheckpointError(f"{storage} cannot be read as a checkpoint: {exc}") from None
 
 
+def prepare_destination(storage: Storage, overwrite: bool) -> None:
+    """Make `storage` ready for a new save: refuse (or uncommit) a committed checkpoint, drop the
+    data of an earlier save that never committed, create the namespace."""
+    if storage.exists(METADATA_FILE):
+        if not overwrite:
+            raise SaveError(f"{storage} already holds a committed checkpoint; pass overwrite=True "
+                            "or save to a new path")
+        storage.remove(METADATA_FILE)  # uncommit first: a crash now leaves an incomplete save
+    storage.remove(DATA_DIR)
+    storage.prepare()
+
+
 def check_files(storage: Storage, metadata: Metadata) -> None:
     """Every data file exists and is as long as the metadata says (truncation shows here)."""
     for name, expected in metadata.files.items():
@@ -273,13 +285,7 @@ class Checkpointer:
         key = hashlib.sha256(pickle.dumps((specs, sorted(aliases.items()), self.threads))).digest()
         if coord.is_coordinator and error is None:
             try:
-                if storage.exists(METADATA_FILE):
-                    if not overwrite:
-                        raise SaveError(f"{storage} already holds a committed checkpoint; pass overwrite=True "
-                                        "or save to a new path")
-                    storage.remove(METADATA_FILE)  # uncommit first: a crash now leaves an incomplete save
-                storage.remove(DATA_DIR)  # leftovers of an earlier save at this path
-                storage.prepare()
+                prepare_destination(storage, overwrite)
             except Exception as exc:
                 error = str(exc) if isinstance(exc, SaveError) else _describe(exc)
         stale = self._cache is None or self._cache.key != key
@@ -433,10 +439,10 @@ class Checkpointer:
                                            metadata.chunk_bytes, self.read_threads, transfers, coord.rank, coord.group)
             for key, setter in items.objects.items():
                 if key in metadata.objects:
-                    setter(_read_object(storage, metadata, key, None))
+                    setter(read_object(storage, metadata, key, None))
             for key, setter in items.per_rank.items():
                 if any(o.rank == coord.rank for o in metadata.objects.get(key, [])):
-                    setter(_read_object(storage, metadata, key, coord.rank))
+                    setter(read_object(storage, metadata, key, coord.rank))
                 else:
                     result.kept_per_rank.append(key)
                     log.warning("%s: the checkpoint has no value saved by rank %d; keeping the current one",
@@ -457,7 +463,7 @@ def _quiet_wait(handle: SaveHandle) -> None:
         pass  # its own wait() reports it
 
 
-def _read_object(storage: Storage, metadata: Metadata, key: str, rank: Optional[int]) -> Any:
+def read_object(storage: Storage, metadata: Metadata, key: str, rank: Optional[int]) -> Any:
     entry = next(o for o in metadata.objects[key] if o.rank == rank)
     data = read_checked(storage, key, entry.file, entry.offset, entry.nbytes, 0, entry.nbytes,
                         entry.crc32c, metadata.chunk_bytes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib.metadata import entry_points
 from typing import List
 
 from .checkpointer import check_files, read_metadata
@@ -122,10 +123,12 @@ def main(argv=None) -> int:
     p = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
     p.add_argument("path")
     p.set_defaults(func=cmd_verify)
+    for entry in entry_points(group="ckpt_plugins.commands"):  # framework extensions add theirs
+        entry.load()(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except CheckpointError as exc:
+    except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

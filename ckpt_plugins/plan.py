@@ -130,12 +130,13 @@ def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
             lo, hi = lens[0] * i // n, lens[0] * (i + 1) // n
             pieces.append((key, ((offs[0] + lo,) + offs[1:], (hi - lo,) + lens[1:]), (hi - lo) * row_bytes, box))
 
-    load = [0] * world
+    load = LeastLoaded(world)
     assigned: List[List[Tuple[int, Box, int]]] = [[] for _ in range(world)]  # (spec index, box, nbytes)
+    holder_sets = {box: tuple(ranks) for box, ranks in holders.items()}
     for key, piece, nbytes, parent in sorted(pieces, key=lambda p: (-p[2], p[0], p[1])):
-        rank = min(holders[parent], key=lambda r: (load[r], r))
+        rank = load.pick(holder_sets[parent])
         assigned[rank].append((box_index[leader_of[rank]][parent], piece, nbytes))
-        load[rank] += nbytes
+        load.add(rank, nbytes)
 
     writes: List[List[WriteItem]] = []
     stored: List[List[StoredBox]] = []
@@ -154,7 +155,7 @@ def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
         meta.boxes.sort(key=lambda b: b.offsets)
     metadata = Metadata(tensors=dict(sorted(metas.items())), objects={}, files=dict(sorted(files.items())),
                         aliases=dict(aliases or {}), world_size=world, chunk_bytes=CHUNK_BYTES)
-    return SavePlan(writes=writes, stored=stored, metadata=metadata, rank_bytes=load)
+    return SavePlan(writes=writes, stored=stored, metadata=metadata, rank_bytes=load.load)
 
 
 # ---------------------------------------------------------------------------- load
@@ -310,17 +311,46 @@ def assign_transfers(requests: Sequence[Sequence[Tuple[str, int, int, int]]],
     for ranks in groups.values():
         for file, offset, start, end in requests[ranks[0]]:
             needs.setdefault((file, offset), []).append((ranks, start, end))
-    load = [0] * len(requests)
+    load = LeastLoaded(len(requests))
     shared = []
     for item, users in needs.items():
         if len(users) == 1 and len(users[0][0]) == 1:
-            load[users[0][0][0]] += users[0][2] - users[0][1]
+            load.add(users[0][0][0], users[0][2] - users[0][1])
         else:
             shared.append((min(s for _, s, _ in users), max(e for _, _, e in users), item))
     out: Dict[Tuple[str, int], Transfer] = {}
+    needer_sets: Dict[Tuple[int, ...], Tuple[int, ...]] = {}  # by the groups needing an item
     for tag, (start, end, item) in enumerate(sorted(shared, key=lambda x: (x[0] - x[1], x[2]))):
-        needers = sorted(r for ranks, _, _ in needs[item] for r in ranks)
-        reader = min(needers, key=lambda r: (load[r], r))
-        load[reader] += end - start
-        out[item] = Transfer(reader, tuple(needers), start, end, tag)
+        by_groups = tuple(id(ranks) for ranks, _, _ in needs[item])
+        needers = needer_sets.get(by_groups)
+        if needers is None:
+            needers = needer_sets[by_groups] = tuple(sorted(r for ranks, _, _ in needs[item] for r in ranks))
+        reader = load.pick(needers)
+        load.add(reader, end - start)
+        out[item] = Transfer(reader, needers, start, end, tag)
     return out
+
+
+class LeastLoaded:
+    """Byte counts per rank, and the least-loaded rank of a rank set (ties: the lowest rank).
+
+    One heap per distinct rank set (a box's holders are usually a whole data-parallel group, so
+    there are few sets). Loads only grow, so a heap entry whose recorded load is stale is
+    refreshed when it surfaces: each pick costs O(log n) instead of a scan of the set.
+    """
+
+    def __init__(self, world: int):
+        self.load = [0] * world
+        self._heaps: Dict[Tuple[int, ...], List[Tuple[int, int]]] = {}
+
+    def add(self, rank: int, nbytes: int) -> None:
+        self.load[rank] += nbytes
+
+    def pick(self, ranks: Tuple[int, ...]) -> int:
+        heap = self._heaps.get(ranks)
+        if heap is None:
+            heap = self._heaps[ranks] = [(self.load[r], r) for r in ranks]
+            heapq.heapify(heap)
+        while heap[0][0] != self.load[heap[0][1]]:
+            heapq.heapreplace(heap, (self.load[heap[0][1]], heap[0][1]))
+        return heap[0][1]

@@ -31,6 +31,8 @@ WRAPPER_COMPONENTS = ("_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_
 # the training dtype, `optim/<param>/<state>` the optimizer's, and `optim/<param>/master` the fp32
 # master weights of mixed-precision frameworks (stored only where they differ from the weights).
 MODEL, OPTIM, MASTER = "model", "optim", "master"
+# The object holding the model's HF config.json text, when a save knows it: exports write it out.
+HF_CONFIG = "hf_config"
 
 
 def master_key(name: str) -> str:
@@ -94,6 +96,19 @@ class Handler(ABC):
 
     @abstractmethod
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems: ...
+
+
+class Ignore(Handler):
+    """A state entry that saves nothing and, on load, accepts whatever the checkpoint holds under
+    its key without loading it: a strict load that wants part of a checkpoint (the weights of a
+    training checkpoint, say) names the rest with Ignore()."""
+
+    def save_items(self, prefix: str) -> SaveItems:
+        return SaveItems()
+
+    def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
+        stored = set(metadata.tensors) | set(metadata.objects) | set(metadata.aliases)
+        return LoadItems(accepted={k for k in stored if k == prefix or k.startswith(prefix + "/")})
 
 
 # ------------------------------------------------------------------ tensors

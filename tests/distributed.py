@@ -30,3 +30,23 @@ def _worker(rank, world_size, port, fn, args):
 def run_ranks(world_size: int, fn, *args) -> None:
     """Call fn(rank, world_size, *args) on each rank; any rank's exception fails the caller."""
     mp.spawn(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def _env_worker(rank, world_size, port, fn, args):
+    """A rank as torchrun starts it: the environment set, no process group yet (the framework
+    under test creates it)."""
+    faulthandler.enable()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_env_ranks(world_size: int, fn, *args) -> None:
+    """Like run_ranks, for frameworks that initialise torch.distributed themselves from the
+    torchrun environment (the HF Trainer, accelerate, DeepSpeed)."""
+    mp.spawn(_env_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)

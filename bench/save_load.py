@@ -1,0 +1,466 @@
+"""Save/load benchmark: ckpt_plugins against its peers, side by side, in one process tree.
+
+Workload: an FSDP2 (fully_shard) model + AdamW on 2 processes (gloo, CPU), >= 1 GiB of model and
+optimizer state. Methods: ours (sync, async, overlapped), torch.save of a rank-0-gathered state
+dict, PyTorch DCP save and async_save (plan caching on), and the ByteCheckpoint package when it
+imports (bench/peers/bytecheckpoint_peer.py). The machine's own limits are measured in the same
+run, in the checkpoint's directory: memcpy into touched memory, O_DIRECT write, cold read.
+
+Stall is charged two ways for every method alike: the time the save call blocks, and the extra
+wall time of a training loop that saves every k steps (minus the same loop without saves), so a
+method that returns early but makes the next step wait pays for it. Every load is checked bit for
+bit. Each checkpoint is deleted after use.
+
+Run: .venv/bin/python bench/save_load.py            (about 10-15 minutes here)
+     .venv/bin/python bench/save_load.py --params-m 8 --reps 1   (a quick smoke run)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+WIDTH = 2048
+METHODS = ["ours_sync", "ours_async", "ours_overlap", "torch_save_rank0", "dcp_save", "dcp_async_save",
+           "bytecheckpoint"]
+PEERS = METHODS[3:]
+
+
+# ------------------------------------------------------------------ model and training
+
+
+def build(layers: int, fsdp: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def train_step(model, opt, step: int) -> None:
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_state(model, opt):
+    """Every local tensor of model and optimizer, by name: what a same-layout load must restore."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[f"p/{name}"] = local(p).detach().clone()
+        for k, v in opt.state[p].items():
+            out[f"o/{name}/{k}"] = local(v).detach().clone()
+    return out
+
+
+def same(a, b) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def drop_cache(path: str) -> None:
+    """Evict a checkpoint's files from the page cache so loads read from the disk."""
+    for root, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+# ------------------------------------------------------------------ methods
+
+
+class Methods:
+    """save(name, path) -> waitable; load(name, path, model, opt) for each method, one rank's view."""
+
+    def __init__(self, world: int):
+        import ckpt_plugins as cp
+        self.cp = cp
+        self.world = world
+        self.ckpt = cp.Checkpointer(threads=2) if world > 1 else None
+        self.gloo = dist.new_group(backend="gloo") if world > 1 else None  # DCP async needs its own group
+        self.bcp = None
+        try:
+            from peers import bytecheckpoint_peer
+            bytecheckpoint_peer.apply_patches()
+            self.bcp = bytecheckpoint_peer
+        except Exception as exc:  # reported in the table
+            self.bcp_error = f"{type(exc).__name__}: {exc}"
+        self.dcp_planner = None
+
+    def available(self, name: str) -> bool:
+        return name != "bytecheckpoint" or self.bcp is not None
+
+    def save(self, name: str, path: str, model, opt):
+        """Start a save; returns (object to finish it, or None). The call's duration is the stall."""
+        state = {"model": model, "optim": opt}
+        if name == "ours_sync":
+            self.ckpt.save(path, state)
+        elif name == "ours_async":
+            return self.ckpt.save(path, state, async_=True)
+        elif name == "ours_overlap":
+            return self.ckpt.save(path, state, overlap=True)
+        elif name == "torch_save_rank0":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+            msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if dist.get_rank() == 0:
+                os.makedirs(path, exist_ok=True)
+                with open(os.path.join(path, "state.pt"), "wb") as f:
+                    torch.save({"model": msd, "optim": osd}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            dist.barrier()
+        elif name in ("dcp_save", "dcp_async_save"):
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint import DefaultSavePlanner
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+            msd, osd = get_state_dict(model, opt)
+            sd = {"model": msd, "optim": osd}
+            if name == "dcp_save":
+                dcp.save(sd, checkpoint_id=path)
+            else:
+                if self.dcp_planner is None:
+                    self.dcp_planner = DefaultSavePlanner(enable_plan_caching=True)
+                return dcp.async_save(sd, checkpoint_id=path, process_group=self.gloo, planner=self.dcp_planner)
+        elif name == "bytecheckpoint":
+            return self.bcp.save(path, model, opt, async_=True)
+        return None
+
+    @staticmethod
+    def finish(pending) -> None:
+        """Block until a started save is durable."""
+        if pending is None:
+            return
+        if hasattr(pending, "wait") and hasattr(pending, "wait_snapshot"):
+            pending.wait()
+        elif hasattr(pending, "result"):
+            pending.result()
+        elif hasattr(pending, "upload_completion"):
+            pending.upload_completion.result()
+        elif callable(pending):
+            pending()
+
+    @staticmethod
+    def before_step(pending) -> None:
+        """What a training loop must call before its next optimizer step."""
+        if pending is not None and hasattr(pending, "wait_snapshot"):
+            pending.wait_snapshot()
+
+    def load(self, name: str, path: str, model, opt) -> None:
+        distributed = dist.is_initialized()
+        if name.startswith("ours"):
+            (self.ckpt or self.cp).load(path, {"model": model, "optim": opt})
+        elif name == "torch_save_rank0":
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+            rank0 = not distributed or dist.get_rank() == 0
+            full = torch.load(os.path.join(path, "state.pt"), weights_only=True) if rank0 else {"model": {}, "optim": {}}
+            # Separate calls: set_state_dict treats a non-zero rank's empty model dict as "optimizer
+            # only" and skips the model broadcast rank 0 then waits in.
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
+            set_model_state_dict(model, full["model"], options=options)
+            set_optimizer_state_dict(model, opt, full["optim"], options=options)
+        elif name.startswith("dcp"):
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+            msd, osd = get_state_dict(model, opt)
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, checkpoint_id=path, no_dist=not distributed)
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        elif name == "bytecheckpoint":
+            self.bcp.load(path, model, opt)
+
+
+# ------------------------------------------------------------------ machine limits
+
+
+def limit_file(root: str) -> str:
+    return os.path.join(root, f"limit_{dist.get_rank() if dist.is_initialized() else 'single'}.bin")
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def write_limits(root: str, nbytes: int) -> dict:
+    """This rank's memcpy into touched memory and O_DIRECT write + fsync of `nbytes` (the file stays
+    for read_limit)."""
+    src = torch.randn(nbytes // 4)
+    dst = torch.zeros_like(src)
+    dst.copy_(src)  # touched
+    barrier()
+    t = time.perf_counter()
+    dst.copy_(src)
+    memcpy = time.perf_counter() - t
+    del src, dst
+    raw = torch.empty(nbytes + 8192, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % 4096
+    view = memoryview(raw[off:off + nbytes // 4096 * 4096].fill_(7).numpy())
+    barrier()
+    t = time.perf_counter()
+    fd = os.open(limit_file(root), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+    for i in range(0, len(view), 8 << 20):
+        os.write(fd, view[i:i + (8 << 20)])
+    os.fsync(fd)
+    os.close(fd)
+    return {"memcpy": memcpy, "write": time.perf_counter() - t}
+
+
+def read_limit(root: str) -> float:
+    """Cold sequential read of write_limits' file into touched memory, 8 MiB per call, as the loads
+    read their checkpoints: evicted from the page cache, first read since it was written."""
+    path = limit_file(root)
+    dest = torch.ones(os.path.getsize(path), dtype=torch.uint8)
+    view = memoryview(dest.numpy())
+    drop_cache(path)
+    barrier()
+    t = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    for i in range(0, len(view), 8 << 20):
+        os.preadv(fd, [view[i:i + (8 << 20)]], i)
+    os.close(fd)
+    read = time.perf_counter() - t
+    os.remove(path)
+    return read
+
+
+# ------------------------------------------------------------------ the 2-rank run
+
+
+def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    layers = args.layers
+    model, opt = build(layers, fsdp=True)
+    train_step(model, opt, 0)
+    methods = Methods(world)
+    reference = local_state(model, opt)
+    rank_bytes = sum(t.numel() * t.element_size() for t in reference.values())
+    results = {"rank_bytes": rank_bytes, "limits": [], "methods": {}}
+    if rank == 0 and methods.bcp is None:
+        results["bytecheckpoint_error"] = methods.bcp_error
+
+    def slowest(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    available = [m for m in METHODS if methods.available(m)]
+    for rep in range(args.reps):
+        limits = write_limits(root, rank_bytes)
+        # Saves first, every method in turn; then the loads, so no load reads a file its save wrote
+        # an instant before (this disk reads fresh data slower), in an order that rotates each rep.
+        for name in available:
+            res = results["methods"].setdefault(name, {"stall": [], "commit": [], "load": [], "loop": [],
+                                                      "bytes": 0, "ok": True})
+            path = os.path.join(root, f"{name}_{rep}")
+            dist.barrier()
+            t0 = time.perf_counter()
+            pending = methods.save(name, path, model, opt)
+            stall = time.perf_counter() - t0
+            methods.before_step(pending)
+            methods.finish(pending)
+            commit = time.perf_counter() - t0
+            res["stall"].append(slowest(stall))
+            res["commit"].append(slowest(commit))
+            if rank == 0:
+                res["bytes"] = dir_bytes(path)
+        limits["read"] = read_limit(root)
+        results["limits"].append({k: slowest(v) for k, v in limits.items()})
+        for name in available[rep % len(available):] + available[:rep % len(available)]:
+            res = results["methods"][name]
+            path = os.path.join(root, f"{name}_{rep}")
+            fresh, fresh_opt = build(layers, fsdp=True)
+            dist.barrier()
+            if rank == 0:
+                drop_cache(path)
+            dist.barrier()
+            t0 = time.perf_counter()
+            methods.load(name, path, fresh, fresh_opt)
+            res["load"].append(slowest(time.perf_counter() - t0))
+            res["ok"] &= bool(slowest(0.0 if same(local_state(fresh, fresh_opt), reference) else 1.0) == 0.0)
+            del fresh, fresh_opt
+            dist.barrier()
+            keep = rep == args.reps - 1  # the last checkpoint of each method is loaded 2 -> 1 by the parent
+            if rank == 0 and not keep:
+                shutil.rmtree(path, ignore_errors=True)
+        # Training-loop overhead: each method's loop right after the same loop without saves. A
+        # save every k steps, never after the last step; the clock stops when the last step ends,
+        # so what a method delays (blocking, waiting for its snapshot or for the previous commit)
+        # is charged, and its last save's background writes are not.
+        for name in [m for m in METHODS if methods.available(m)]:
+            elapsed = {}
+            for run in (None, name):
+                dist.barrier()
+                t0 = time.perf_counter()
+                pending = None
+                for step in range(1, args.steps + 1):
+                    methods.before_step(pending)
+                    train_step(model, opt, 1000 + step)
+                    if run is not None and step % args.every == 0 and step < args.steps:
+                        methods.finish(pending)  # a save waits for the previous one's commit
+                        pending = methods.save(name, os.path.join(root, f"loop_{name}_{step}"), model, opt)
+                methods.before_step(pending)
+                elapsed[run] = slowest(time.perf_counter() - t0)
+                methods.finish(pending)
+            results["methods"][name]["loop"].append(elapsed[name] - elapsed[None])
+            dist.barrier()
+            if rank == 0:
+                for step in range(args.every, args.steps, args.every):
+                    shutil.rmtree(os.path.join(root, f"loop_{name}_{step}"), ignore_errors=True)
+        # the loops trained the model: reset to the reference state for the next repetition
+        model, opt = build(layers, fsdp=True)
+        train_step(model, opt, 0)
+    full = full_reference(model, opt)  # collective: every rank takes part
+    if rank == 0:
+        torch.save(full, os.path.join(root, "reference.pt"))
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    if methods.ckpt is not None:
+        methods.ckpt.close()
+    dist.destroy_process_group()
+
+
+def full_reference(model, opt):
+    named = dict(model.named_parameters())
+    out = {f"p/{n}": p.full_tensor() for n, p in named.items()}
+    for n, p in named.items():
+        for k, v in opt.state[p].items():
+            out[f"o/{n}/{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
+    return out
+
+
+# ------------------------------------------------------------------ 2 -> 1 in the parent
+
+
+def resharded_loads(args, root: str, methods_run) -> dict:
+    """Load each method's last checkpoint into one plain process (2 ranks -> 1)."""
+    reference = torch.load(os.path.join(root, "reference.pt"))
+    methods = Methods(1)
+    total = sum(t.numel() * t.element_size() for t in reference.values())
+    write_limits(root, total)
+    out = {"_read_limit": read_limit(root)}  # one process reading every rank's bytes
+    for name in methods_run:
+        path = os.path.join(root, f"{name}_{args.reps - 1}")
+        times, ok = [], True
+        for _ in range(args.reps):
+            drop_cache(path)
+            model, opt = build(args.layers, fsdp=False)
+            t0 = time.perf_counter()
+            try:
+                methods.load(name, path, model, opt)
+            except Exception as exc:
+                out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                break
+            times.append(time.perf_counter() - t0)
+            got = {f"p/{n}": p.detach() for n, p in model.named_parameters()}
+            for n, p in model.named_parameters():
+                got.update({f"o/{n}/{k}": v for k, v in opt.state[p].items()})
+            ok &= same(got, reference)
+            del model, opt
+        else:
+            out[name] = {"load": times, "ok": ok}
+        shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--params-m", type=float, default=96, help="model parameters, millions (x12 bytes with AdamW)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=7, help="training steps per loop")
+    parser.add_argument("--every", type=int, default=2, help="save every k steps in the loop")
+    parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
+    args = parser.parse_args()
+    args.layers = max(1, round(args.params_m * 1e6 / WIDTH ** 2))
+    root = tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir)
+    out_path = os.path.join(root, "results.json")
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(worker, args=(2, port, args, root, out_path), nprocs=2, join=True)
+        with open(out_path) as f:
+            results = json.load(f)
+        resharded = resharded_loads(args, root, list(results["methods"]))
+        report(args, results, resharded)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def report(args, results, resharded) -> None:
+    med = statistics.median
+    rank_bytes = results["rank_bytes"]
+    total = 2 * rank_bytes
+    lim = {k: med(l[k] for l in results["limits"]) for k in results["limits"][0]}
+    print(f"\nFSDP2, 2 processes (gloo, CPU), {args.layers} x Linear({WIDTH},{WIDTH}) + AdamW: "
+          f"{total / 2**30:.2f} GiB of state ({rank_bytes / 2**20:.0f} MiB per rank); medians of {args.reps}")
+    print(f"machine limits for one rank's bytes: memcpy {lim['memcpy']:.3f} s "
+          f"({rank_bytes / lim['memcpy'] / 1e9:.1f} GB/s), O_DIRECT write {lim['write']:.3f} s "
+          f"({total / lim['write'] / 1e9:.2f} GB/s both ranks), cold read {lim['read']:.3f} s "
+          f"({total / lim['read'] / 1e9:.2f} GB/s both ranks); one process's cold read of all "
+          f"{resharded['_read_limit']:.3f} s ({total / resharded['_read_limit'] / 1e9:.2f} GB/s)")
+    if "bytecheckpoint_error" in results:
+        print(f"bytecheckpoint: not measured ({results['bytecheckpoint_error']})")
+    rows = {}
+    for name, r in results["methods"].items():
+        rows[name] = {"stall": med(r["stall"]), "loop": med(r["loop"]), "commit": med(r["commit"]),
+                      "load": med(r["load"]), "reshard": med(resharded[name]["load"]) if "load" in resharded.get(name, {}) else math.nan,
+                      "ok": r["ok"] and resharded.get(name, {}).get("ok", False), "bytes": r["bytes"]}
+    peers = [p for p in PEERS if p in rows]
+    best = {k: min(rows[p][k] for p in peers) for k in ("stall", "loop", "commit", "load", "reshard")}
+    limit = {"stall": lim["memcpy"], "commit": lim["write"], "load": lim["read"], "reshard": resharded["_read_limit"],
+             "loop": math.nan}
+    print(f"\n{'method':<17}{'stall s':>9}{'loop +s':>9}{'commit s':>10}{'load s':>9}{'2->1 s':>9}{'GiB':>6}  bit-exact")
+    for name, r in rows.items():
+        print(f"{name:<17}{r['stall']:>9.3f}{r['loop']:>9.3f}{r['commit']:>10.3f}{r['load']:>9.3f}"
+              f"{r['reshard']:>9.3f}{r['bytes'] / 2**30:>6.2f}  {'yes' if r['ok'] else 'NO'}")
+        if name in resharded and "error" in resharded[name]:
+            print(f"{'':<17}2->1 load failed: {resharded[name]['error']}")
+    print("\nratios: ours / best peer, and ours / machine limit (stall vs memcpy, commit vs O_DIRECT write, "
+          "loads vs cold read)")
+    for name in ("ours_sync", "ours_async", "ours_overlap"):
+        r = rows.get(name)
+        if r is None:
+            continue
+        parts = []
+        for k in ("stall", "loop", "commit", "load", "reshard"):
+            vs_limit = f" / limit {r[k] / limit[k]:.2f}" if not math.isnan(limit[k]) else ""
+            parts.append(f"{k} {r[k] / best[k]:.2f}{vs_limit}" if best[k] > 0 else f"{k} n/a")
+        print(f"  {name:<14} " + ", ".join(parts))
+    print(f"\nbest peer per column: " + ", ".join(
+        f"{k} {min(peers, key=lambda p: rows[p][k])}" for k in ("stall", "loop", "commit", "load", "reshard")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The benchmark's peers, into the project's .venv (after scripts/setup.sh). torch stays pinned.
+# ByteCheckpoint 0.0.2 declares torch<=2.5: installed without its dependencies, which are listed
+# here; bench/peers/bytecheckpoint_peer.py patches what it needs at run time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/pip install -q -c constraints.txt --no-deps bytecheckpoint==0.0.2
+.venv/bin/pip install -q -c constraints.txt grpcio==1.69.0 protobuf==3.20.3 "safetensors<=1.0.0" \
+    "universal-pathlib>=0.2.2,<=1.0.0" "cachetools>=5.4.0,<=10.0.0" "mmh3>=4.1.0,<=4.2.0"
+.venv/bin/python bench/peers/bytecheckpoint_peer.py  # self-test: 2 ranks, bit-exact round trips

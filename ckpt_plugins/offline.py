@@ -1,0 +1,138 @@
+"""Streaming, single-process checkpoint I/O for offline tools (exports, imports): one tensor in
+memory at a time, so a tool's peak memory is bounded by the largest tensor, not the model.
+
+`write_checkpoint` writes a committed checkpoint from lazily produced fragments (each loaded just
+before its bytes are written); `read_tensor` assembles one whole tensor through the same load
+plan and checks as `load`. No process group is needed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from .checkpointer import check_files, prepare_destination, read_metadata
+from .engine import read_items
+from .format import DATA_DIR, METADATA_FILE, Metadata, ObjectMeta, chunk_checksums, dtype_name
+from .fragment import Fragment, sub_view
+from .objects import encode_object
+from .plan import TensorSpec, place, plan_load, plan_save
+from .storage import Storage, storage_for
+
+
+@dataclass
+class LazyFragment:
+    """A fragment whose memory is produced on demand: `load()` returns a tensor of shape
+    `lengths` (it may be a view of something bigger, e.g. one partition of a flat buffer)."""
+    key: str
+    global_shape: Sequence[int]
+    dtype: torch.dtype
+    offsets: Sequence[int]
+    lengths: Sequence[int]
+    load: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.lengths) * self.dtype.itemsize
+
+
+def write_checkpoint(path, fragments: Sequence[LazyFragment], objects: Optional[Dict[str, Any]] = None, *,
+                     aliases: Optional[Dict[str, str]] = None, framework: str = "torch",
+                     layout: Optional[Dict[str, Any]] = None, step: Optional[int] = None,
+                     overwrite: bool = False, progress: Optional[Callable[[int], None]] = None) -> Metadata:
+    """Write and commit a checkpoint from `fragments` and replicated `objects`, streaming.
+
+    Fragments that hold the same box are written once. `progress(nbytes)` is called as data lands.
+    """
+    storage = storage_for(path)
+    specs = [TensorSpec(f.key, tuple(int(s) for s in f.global_shape), dtype_name(f.dtype),
+                        tuple(int(o) for o in f.offsets), tuple(int(n) for n in f.lengths)) for f in fragments]
+    plan = plan_save([specs], files_per_rank=1, aliases=aliases)
+    encoded = [(key, *encode_object(value)) for key, value in (objects or {}).items()]
+    obj_file = f"{DATA_DIR}/r0-objects.bin"
+    placed, obj_sizes = place([len(data) for _, _, data in encoded], [obj_file])
+    prepare_destination(storage, overwrite)
+    files = dict(plan.metadata.files)
+    by_file: Dict[str, List] = {}
+    for write, entry in zip(plan.writes[0], plan.stored[0]):
+        by_file.setdefault(write.file, []).append((write.offset, write, entry))
+    for name, items in sorted(by_file.items()):
+        with _SequentialFile(storage, name) as out:
+            for offset, write, entry in sorted(items, key=lambda x: x[0]):
+                frag = fragments[write.index]
+                tensor = frag.load()
+                if tuple(tensor.shape) != tuple(frag.lengths) or tensor.dtype != frag.dtype:
+                    raise ValueError(f"{frag.key}: produced {tuple(tensor.shape)} {tensor.dtype}, expected "
+                                     f"{tuple(frag.lengths)} {frag.dtype}")
+                data = _bytes(sub_view(tensor, frag.offsets, write.box))
+                out.write_at(offset, data)
+                entry.crc32c = chunk_checksums(data)
+                if progress:
+                    progress(len(data))
+    object_meta: Dict[str, List[ObjectMeta]] = {}
+    if encoded:
+        with _SequentialFile(storage, obj_file) as out:
+            for (key, encoding, data), (file, offset) in zip(encoded, placed):
+                out.write_at(offset, data)
+                object_meta[key] = [ObjectMeta(file=file, offset=offset, nbytes=len(data),
+                                               crc32c=chunk_checksums(data), encoding=encoding)]
+        files.update(obj_sizes)
+    metadata = Metadata(tensors=plan.metadata.tensors, objects=dict(sorted(object_meta.items())),
+                        files=dict(sorted(files.items())), aliases=plan.metadata.aliases, framework=framework,
+                        layout=dict(layout or {}), step=step, world_size=1, chunk_bytes=plan.metadata.chunk_bytes)
+    storage.put_atomic(METADATA_FILE, metadata.to_json())
+    return metadata
+
+
+class _SequentialFile:
+    """A data file written front to back; gaps between items (alignment) are zero-filled."""
+
+    def __init__(self, storage: Storage, name: str):
+        self.writer, self.pos = storage.open_writer(name), 0
+
+    def write_at(self, offset: int, data) -> None:
+        if offset > self.pos:
+            self.writer.write(bytes(offset - self.pos))
+        self.writer.write(data)
+        self.pos = offset + len(memoryview(data).cast("B"))
+
+    def __enter__(self) -> "_SequentialFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.writer.close()
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def open_checkpoint(path) -> tuple:
+    """(storage, metadata) of a committed checkpoint, every file size checked."""
+    storage = storage_for(path)
+    metadata = read_metadata(storage)
+    check_files(storage, metadata)
+    return storage, metadata
+
+
+def read_tensor(storage: Storage, metadata: Metadata, key: str, dtype: Optional[torch.dtype] = None,
+                threads: int = 4) -> torch.Tensor:
+    """The whole tensor `key` (aliases resolved), read and checksum-verified."""
+    meta = metadata.tensors[metadata.aliases.get(key, key)]
+    from .format import dtype_from_name
+    out = torch.empty(tuple(meta.shape), dtype=dtype or dtype_from_name(meta.dtype))
+    frag = Fragment(key, tuple(meta.shape), out.dtype, (0,) * out.dim(), out, cast=dtype is not None)
+    spec = TensorSpec(key, tuple(meta.shape), dtype_name(out.dtype), frag.offsets, tuple(out.shape), (), frag.cast)
+    plan = plan_load(metadata, [spec])
+    read_items(storage, plan.reads, [frag], {k: m.dtype for k, m in metadata.tensors.items()},
+               metadata.chunk_bytes, threads)
+    return out
+
+
+def tensor_sources(fragments: Iterable[Fragment]) -> List[LazyFragment]:
+    """LazyFragments for fragments already in memory."""
+    return [LazyFragment(f.key, f.global_shape, f.dtype, f.offsets, f.lengths, lambda f=f: f.local)
+            for f in fragments]

@@ -1,0 +1,67 @@
+"""A plain accelerate loop saving and resuming through ckpt_plugins.
+
+    accelerator = Accelerator()
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    hf_ext.accelerate.save_state(accelerator, "ckpt/step_100", step=100)     # instead of save_state
+    hf_ext.accelerate.load_state(accelerator, "ckpt/step_100")               # instead of load_state
+
+What `Accelerator.save_state` keeps, in ckpt_plugins form: every prepared model, optimizer and
+LR scheduler (the first of each under `model`/`optim`/`sched`, further ones `model_1`, ...), the
+objects registered with `register_for_checkpointing` (`custom_<i>`), the grad scaler, the
+accelerator's step counter and this process's RNG states. A checkpoint loads on any number of
+processes, and its `model`/`optim` load in every other framework extension.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import ckpt_plugins as cp
+from ckpt_plugins.state import HF_CONFIG
+
+
+class _Counters:
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict:
+        return {"step": self.accelerator.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.accelerator.step = state["step"]
+
+
+def _named(items, base: str) -> Dict[str, Any]:
+    return {base if i == 0 else f"{base}_{i}": item for i, item in enumerate(items)}
+
+
+def accelerator_state(accelerator, rng: bool = True) -> Dict[str, Any]:
+    """The ckpt_plugins state of everything `accelerator` prepared or registered."""
+    state: Dict[str, Any] = {}
+    state.update(_named(accelerator._models, "model"))
+    state.update(_named(accelerator._optimizers, "optim"))
+    state.update(_named(accelerator._schedulers, "sched"))
+    state.update({f"custom_{i}": obj for i, obj in enumerate(accelerator._custom_objects)})
+    if getattr(accelerator, "scaler", None) is not None:
+        state["scaler"] = accelerator.scaler
+    state["accelerator"] = _Counters(accelerator)
+    if rng:
+        state["rng"] = cp.RNGState()
+    return state
+
+
+def save_state(accelerator, path, *, step=None, async_: bool = False, **options):
+    """Save what `accelerator` tracks to `path` (every process calls it). `async_=True` returns a
+    handle once the snapshot is taken; call `handle.wait()` before relying on the checkpoint."""
+    state = accelerator_state(accelerator)
+    if accelerator._models:
+        config = getattr(accelerator.unwrap_model(accelerator._models[0]), "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            state[HF_CONFIG] = config.to_json_string()
+    return cp.save(path, state, step=step, async_=async_, framework="accelerate",
+                   layout={"num_processes": accelerator.num_processes}, **options)
+
+
+def load_state(accelerator, path, *, strict: bool = True) -> cp.LoadResult:
+    """Restore what `accelerator` tracks from `path`, resharding to the current processes. (The HF
+    config saved beside the weights is not needed to resume.)"""
+    return cp.load(path, {**accelerator_state(accelerator), HF_CONFIG: cp.Ignore()}, strict=strict)

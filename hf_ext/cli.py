@@ -1,0 +1,67 @@
+"""`bcp export` and `bcp import-hf`: registered with the core's `bcp` through an entry point."""
+from __future__ import annotations
+
+import re
+
+import torch
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    match = SIZE.match(text)
+    unit = (match.group(2) or "").upper() if match else None
+    if unit is not None and unit and not unit.endswith("B"):
+        unit += "B"
+    if not match or unit not in UNITS:
+        raise ValueError(f"{text!r} is not a size (examples: 5GB, 500MB, 2GiB, 1000000)")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def cmd_export(args) -> int:
+    from ckpt_plugins.cli import Progress
+    from ckpt_plugins.offline import open_checkpoint
+
+    from .safetensors_io import export_hf
+    _, metadata = open_checkpoint(args.path)
+    total = sum(b.nbytes for k, t in metadata.tensors.items() if k.startswith("model/") for b in t.boxes)
+    progress = Progress(total, "export")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    files = export_hf(args.path, args.out, max_shard_bytes=parse_size(args.max_shard_size), dtype=dtype,
+                      progress=progress.advance)
+    progress.close()
+    print(f"wrote {len(files)} file(s) to {args.out}: {', '.join(files)}")
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    import os
+
+    from ckpt_plugins.cli import Progress
+
+    from .safetensors_io import import_hf
+    progress = Progress(sum(os.path.getsize(os.path.join(args.hf_dir, f)) for f in os.listdir(args.hf_dir)
+                            if f.endswith(".safetensors")), "import")
+    metadata = import_hf(args.hf_dir, args.path, overwrite=args.overwrite, progress=progress.advance)
+    progress.close()
+    print(f"wrote checkpoint {args.path}: {len(metadata.tensors)} tensors, {metadata.total_bytes:,} bytes")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="write a checkpoint's model weights as an HF model directory "
+                                      "(model.safetensors, sharded above --max-shard-size, and config.json)")
+    p.add_argument("path", help="ckpt_plugins checkpoint")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--format", choices=["hf"], default="hf")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="convert the weights (fp32 masters are used where the checkpoint has them)")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("import-hf", help="turn an HF model directory (safetensors) into a ckpt_plugins checkpoint")
+    p.add_argument("hf_dir")
+    p.add_argument("path")
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at PATH")
+    p.set_defaults(func=cmd_import_hf)

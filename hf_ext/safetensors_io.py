@@ -1,0 +1,191 @@
+"""HF model directories in and out: `model.safetensors` (sharded with an index above a size) and
+`config.json`, streamed one tensor at a time.
+
+safetensors layout: an 8-byte little-endian header length, a JSON header ({name: {dtype, shape,
+data_offsets}}, offsets relative to the data start), then the raw bytes. Both directions parse
+and write it directly: no pickle, bounded memory, and `transformers` is not needed for either.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ckpt_plugins.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from ckpt_plugins.checkpointer import read_object
+from ckpt_plugins.format import dtype_from_name, dtype_name
+from ckpt_plugins.offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
+from ckpt_plugins.plan import TensorSpec, choose_source
+from ckpt_plugins.state import HF_CONFIG, MODEL, master_key
+
+SAFE_NAME, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
+MAX_HEADER = 100 << 20
+
+
+# ------------------------------------------------------------------ export
+
+
+def export_hf(path, out_dir: str, *, max_shard_bytes: int = 5 << 30, dtype: Optional[torch.dtype] = None,
+              progress: Optional[Callable[[int], None]] = None) -> List[str]:
+    """Write the checkpoint's model weights (`model/...`) as HF safetensors into `out_dir`.
+
+    `dtype`: convert on the way (fp32 masters are used where the checkpoint has them and the
+    stored weights are of another dtype). Returns the files written.
+    """
+    storage, metadata = open_checkpoint(path)
+    names = sorted(k[len(MODEL) + 1:] for k in metadata.tensors if k.startswith(MODEL + "/"))
+    if not names:
+        raise NotACheckpointError(f"{path} holds no model weights (no '{MODEL}/...' tensors) to export")
+    sources = {}
+    for name in names:
+        meta = metadata.tensors[f"{MODEL}/{name}"]
+        want = dtype or dtype_from_name(meta.dtype)
+        spec = TensorSpec(f"{MODEL}/{name}", tuple(meta.shape), dtype_name(want), (0,) * len(meta.shape),
+                          tuple(meta.shape), (master_key(name),), cast=True)
+        sources[name] = (choose_source(metadata, spec), want, tuple(meta.shape))
+    shards = _shard([(n, math.prod(s) * d.itemsize) for n, (_, d, s) in sources.items()], max_shard_bytes)
+    os.makedirs(out_dir, exist_ok=True)
+    files = []
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = SAFE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, offset = {}, 0
+        for name in shard:
+            _, d, shape = sources[name]
+            nbytes = math.prod(shape) * d.itemsize
+            header[name] = {"dtype": _ST_DTYPES[d], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            weight_map[name] = fname
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        target = os.path.join(out_dir, fname)
+        with open(target + ".tmp", "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for name in shard:
+                key, d, _ = sources[name]
+                tensor = read_tensor(storage, metadata, key, dtype=d)
+                data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
+                f.write(memoryview(data))
+                if progress:
+                    progress(len(memoryview(data)))
+                del tensor
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(target + ".tmp", target)
+        files.append(fname)
+    if len(shards) > 1:
+        total = sum(math.prod(s) * d.itemsize for _, d, s in sources.values())
+        _write_json(os.path.join(out_dir, SAFE_INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        files.append(SAFE_INDEX)
+    if HF_CONFIG in metadata.objects:
+        _write_json(os.path.join(out_dir, "config.json"), json.loads(read_object(storage, metadata, HF_CONFIG, None)))
+        files.append("config.json")
+    return files
+
+
+def _shard(sizes: List[Tuple[str, int]], limit: int) -> List[List[str]]:
+    """Consecutive groups of at most `limit` bytes (a bigger tensor gets a shard of its own)."""
+    shards: List[List[str]] = [[]]
+    used = 0
+    for name, nbytes in sizes:
+        if shards[-1] and used + nbytes > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += nbytes
+    return shards
+
+
+def _write_json(path: str, value) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+# ------------------------------------------------------------------ import
+
+
+def read_header(path: str) -> Tuple[Dict[str, dict], int]:
+    """A safetensors file's tensor entries and the byte offset where its data starts."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CorruptCheckpointError(f"{path} is not a safetensors file (shorter than its header length)")
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER:
+            raise CorruptCheckpointError(f"{path}: safetensors header of {length} bytes is implausible")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{path}: safetensors header is not JSON: {exc}") from None
+    size = os.path.getsize(path)
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    for name, entry in entries.items():
+        start, end = entry.get("data_offsets", (None, None))
+        dtype = _FROM_ST.get(entry.get("dtype"))
+        if dtype is None or not isinstance(entry.get("shape"), list):
+            raise CorruptCheckpointError(f"{path}: tensor {name} has an unsupported dtype or shape {entry}")
+        if (type(start), type(end)) != (int, int) or not 0 <= start <= end \
+                or end - start != math.prod(entry["shape"]) * dtype.itemsize or 8 + length + end > size:
+            raise CorruptCheckpointError(f"{path}: tensor {name}'s byte range {start}..{end} does not fit its "
+                                         f"shape or the file")
+    return entries, 8 + length
+
+
+def _read_safetensor(path: str, entry: dict, data_start: int) -> torch.Tensor:
+    start, end = entry["data_offsets"]
+    dtype = _FROM_ST[entry["dtype"]]
+    buf = bytearray(end - start)
+    with open(path, "rb") as f:
+        f.seek(data_start + start)
+        if f.readinto(buf) != len(buf):
+            raise CorruptCheckpointError(f"{path} is truncated")
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(entry["shape"]) if buf else \
+        torch.empty(entry["shape"], dtype=dtype)
+
+
+def import_hf(hf_dir: str, path, *, overwrite: bool = False,
+              progress: Optional[Callable[[int], None]] = None):
+    """An HF model directory (safetensors, single or sharded) becomes a ckpt_plugins checkpoint
+    whose `model/<name>` tensors load under every framework extension."""
+    index = os.path.join(hf_dir, SAFE_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, SAFE_NAME)):
+        files = [SAFE_NAME]
+    else:
+        raise NotACheckpointError(f"{hf_dir} has neither {SAFE_NAME} nor {SAFE_INDEX}; only safetensors "
+                                  "model directories can be imported")
+    fragments = []
+    for fname in files:
+        if "/" in fname or fname.startswith("."):
+            raise CheckpointError(f"{index} names file {fname!r} outside the model directory")
+        fpath = os.path.join(hf_dir, fname)
+        entries, data_start = read_header(fpath)
+        for name, entry in sorted(entries.items()):
+            shape = tuple(entry["shape"])
+            fragments.append(LazyFragment(f"{MODEL}/{name}", shape, _FROM_ST[entry["dtype"]], (0,) * len(shape),
+                                          shape, lambda p=fpath, e=entry, s=data_start: _read_safetensor(p, e, s)))
+    objects, aliases = {}, {}
+    config_path = os.path.join(hf_dir, "config.json")
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            objects[HF_CONFIG] = f.read()
+        names = {f.key for f in fragments}
+        tied = json.loads(objects[HF_CONFIG]).get("tie_word_embeddings", False)
+        if tied and f"{MODEL}/lm_head.weight" not in names and f"{MODEL}/model.embed_tokens.weight" in names:
+            aliases[f"{MODEL}/lm_head.weight"] = f"{MODEL}/model.embed_tokens.weight"
+    return write_checkpoint(path, fragments, objects, aliases=aliases, framework="hf", overwrite=overwrite,
+                            progress=progress)

@@ -1,0 +1,203 @@
+"""The HF Trainer saving and resuming through ckpt_plugins.
+
+    trainer = Trainer(model=model, args=args, ...)
+    hf_ext.trainer.enable(trainer)          # or enable(trainer, async_save=True)
+    trainer.train()                          # checkpoint-N/ are ckpt_plugins checkpoints
+    trainer.train(resume_from_checkpoint=True)   # on any number of processes
+
+What it changes, on this one Trainer instance (documented because these are Trainer internals):
+- `save_model` during a checkpoint save (`_internal_call`): every rank saves the model,
+  optimizer, LR scheduler, grad scaler and its RNG states in one collective ckpt_plugins save into
+  `checkpoint-N/` (metadata.json + data/); the main process writes config.json, the tokenizer and
+  training_args.bin. No model.safetensors / optimizer.pt / scheduler.pt / rng_state*.pth are
+  written. A final `trainer.save_model()` from user code stays native.
+- `_save_optimizer_and_scheduler`, `_save_rng_state`, `_save_scaler`: nothing left to do.
+- `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_scaler`, `_load_rng_state`,
+  `_load_best_model`: read a ckpt_plugins checkpoint-N (resharding to the current layout and
+  process count); anything else goes to the native code. The model is loaded together with the
+  optimizer, after the Trainer has built it, so its bytes are read once.
+- Everything else stays native: trainer_state.json (global step, logs, best model, stateful
+  callbacks), the batches skipped on resume, `save_total_limit` rotation, `on_save`.
+- `async_save=True`: a save returns once its snapshot is taken. Rotation then waits until the
+  save has committed (at the next save or at the end of training), so the newest whole checkpoint
+  is never deleted for one still being written.
+
+Resuming on another number of processes keeps the samples per step when the global batch is the
+same (per_device_train_batch_size x processes x gradient_accumulation_steps): the Trainer skips
+`global_step` batches of that size. RNG states are per process; a process the checkpoint has none
+for keeps its own.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+import ckpt_plugins as cp
+from ckpt_plugins.format import METADATA_FILE
+from ckpt_plugins.state import HF_CONFIG
+
+log = logging.getLogger("hf_ext.trainer")
+
+
+def is_ckpt_plugins_checkpoint(path: Optional[str]) -> bool:
+    return path is not None and os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+class _Integration:
+    def __init__(self, trainer, async_save: bool, checkpointer: Optional[cp.Checkpointer]):
+        self.trainer = trainer
+        self.async_save = async_save
+        self.checkpointer = checkpointer
+        self.native = {}
+        self.in_checkpoint = False
+        self.pending: Optional[cp.SaveHandle] = None
+        self.pending_rotation = None
+
+    def ckpt(self) -> cp.Checkpointer:
+        return self.checkpointer or cp.checkpointer()
+
+    # ---------------------------------------------------------------- what is saved
+
+    def state(self, with_training_state: bool) -> Dict[str, Any]:
+        t = self.trainer
+        state: Dict[str, Any] = {"model": t.model}
+        if with_training_state:
+            if t.optimizer is not None:
+                state["optim"] = t.optimizer
+            if t.lr_scheduler is not None:
+                state["sched"] = t.lr_scheduler
+            scaler = getattr(t.accelerator, "scaler", None)
+            if scaler is not None:
+                state["scaler"] = scaler
+            state["rng"] = cp.RNGState()
+        return state
+
+    # ---------------------------------------------------------------- saving
+
+    def _save_checkpoint(self, model, trial) -> None:
+        args = self.trainer.args
+        self.finish_pending()
+        limit = args.save_total_limit
+        if self.async_save:
+            args.save_total_limit = None  # rotate once this save has committed
+        self.in_checkpoint = True
+        try:
+            self.native["_save_checkpoint"](model, trial)
+        finally:
+            self.in_checkpoint = False
+            args.save_total_limit = limit
+        if self.async_save and limit:
+            self.pending_rotation = self.trainer._get_output_dir(trial)
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        if not (self.in_checkpoint and _internal_call):
+            return self.native["save_model"](output_dir, _internal_call)
+        t = self.trainer
+        output_dir = output_dir or t.args.output_dir
+        state = self.state(with_training_state=not t.args.save_only_model)
+        state[HF_CONFIG] = _config_json(t)
+        result = self.ckpt().save(output_dir, state, async_=self.async_save, framework="hf-trainer",
+                                  layout={"world_size": t.args.world_size}, step=t.state.global_step)
+        if self.async_save:
+            self.pending = result
+        if t.args.should_save:
+            _save_side_files(t, output_dir)
+
+    def finish_pending(self) -> None:
+        """Wait for the last async save (raising its error), then apply the rotation it deferred."""
+        if self.pending is not None:
+            handle, self.pending = self.pending, None
+            handle.wait()
+        if self.pending_rotation is not None:
+            run_dir, self.pending_rotation = self.pending_rotation, None
+            if self.trainer.args.should_save:
+                from transformers.trainer_utils import rotate_checkpoints
+                rotate_checkpoints(output_dir=run_dir, save_total_limit=self.trainer.args.save_total_limit,
+                                   best_model_checkpoint=self.trainer.state.best_model_checkpoint, use_mtime=True)
+
+    @staticmethod
+    def _nothing(*args, **kwargs) -> None:
+        return None
+
+    # ---------------------------------------------------------------- loading
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not is_ckpt_plugins_checkpoint(resume_from_checkpoint):
+            return self.native["_load_from_checkpoint"](resume_from_checkpoint, model)
+        cp.read_metadata(resume_from_checkpoint)  # fail early on a bad checkpoint; weights come with the optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if not is_ckpt_plugins_checkpoint(checkpoint):
+            return self.native["_load_optimizer_and_scheduler"](checkpoint)
+        # RNG states are restored where the Trainer restores them: after skipping batches
+        state = {**self.state(with_training_state=True), "rng": cp.Ignore(), HF_CONFIG: cp.Ignore()}
+        self.ckpt().load(checkpoint, state)
+
+    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
+        if not is_ckpt_plugins_checkpoint(checkpoint):
+            return self.native["_load_rng_state"](checkpoint)
+        result = self.ckpt().load(checkpoint, {"rng": cp.RNGState()}, strict=False)
+        if result.kept_per_rank:
+            log.info("checkpoint %s has no RNG state for this process; keeping the current one", checkpoint)
+
+    def _load_scaler(self, checkpoint: Optional[str]) -> None:
+        if not is_ckpt_plugins_checkpoint(checkpoint):
+            return self.native["_load_scaler"](checkpoint)
+
+    def _load_best_model(self) -> None:
+        best = self.trainer.state.best_model_checkpoint
+        if not is_ckpt_plugins_checkpoint(best):
+            return self.native["_load_best_model"]()
+        rest = {k: cp.Ignore() for k in ("optim", "sched", "scaler", "rng", HF_CONFIG)}
+        self.ckpt().load(best, {"model": self.trainer.model, **rest})
+
+    def on_train_end(self) -> None:
+        self.finish_pending()
+
+
+def _config_json(trainer) -> Optional[str]:
+    config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
+    return config.to_json_string() if config is not None else None
+
+
+def _save_side_files(trainer, output_dir: str) -> None:
+    """What `Trainer._save` writes besides the weights: config, generation config, tokenizer, args."""
+    from transformers.trainer import TRAINING_ARGS_NAME
+    os.makedirs(output_dir, exist_ok=True)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if getattr(model, "config", None) is not None:
+        model.config.save_pretrained(output_dir)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        generation.save_pretrained(output_dir)
+    if trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(output_dir)
+    torch.save(trainer.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+
+_HOOKS = ("_save_checkpoint", "save_model", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
+          "_load_rng_state", "_load_scaler", "_load_best_model")
+_NO_OPS = ("_save_optimizer_and_scheduler", "_save_rng_state", "_save_scaler")
+
+
+def enable(trainer, *, async_save: bool = False, checkpointer: Optional[cp.Checkpointer] = None):
+    """Make `trainer` save and resume through ckpt_plugins (see the module docstring). Returns it."""
+    from transformers import TrainerCallback
+
+    integration = _Integration(trainer, async_save, checkpointer)
+    for name in _HOOKS:
+        integration.native[name] = getattr(trainer, name)
+        setattr(trainer, name, getattr(integration, name))
+    for name in _NO_OPS:
+        setattr(trainer, name, integration._nothing)
+
+    class _FinishSaves(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            integration.on_train_end()
+
+    trainer.add_callback(_FinishSaves())
+    trainer._ckpt_plugins = integration
+    return trainer

@@ -1,0 +1,83 @@
+"""The HF Trainer (real, DDP over gloo on CPU) saving through hf_ext and resuming on 1 and 2
+processes: the resumed run continues the uninterrupted one's loss curve and ends with its weights."""
+import json
+import os
+import shutil
+
+import torch
+
+import ckpt_plugins as cp
+from distributed import run_env_ranks
+from hf_models import SEQ, VOCAB, tiny_llama
+
+SAMPLES, STEPS, GLOBAL_BATCH = 32, 6, 4
+NATIVE = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "rng_state_0.pth",
+          "rng_state_1.pth", "pytorch_model.bin")
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def train(rank, world, out_dir, resume, result_path, async_save, save_total_limit):
+    from transformers import Trainer, TrainingArguments
+
+    import hf_ext.trainer
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=GLOBAL_BATCH // world,
+                             max_steps=STEPS, save_strategy="steps", save_steps=2, logging_steps=1,
+                             learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.1,
+                             use_cpu=True, report_to=[], seed=0, dataloader_drop_last=True, ddp_backend="gloo",
+                             save_total_limit=save_total_limit, disable_tqdm=True)
+    trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=Tokens())
+    hf_ext.trainer.enable(trainer, async_save=async_save)
+    trainer.train(resume_from_checkpoint=resume)
+    if rank == 0:
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        torch.save({"losses": losses, "weights": weights, "lr": trainer.lr_scheduler.get_last_lr()}, result_path)
+
+
+def test_trainer_saves_through_ckpt_plugins_and_resumes_on_any_process_count(tmp_path):
+    run = tmp_path / "run"
+    run_env_ranks(2, train, str(run), None, tmp_path / "full.pt", False, None)
+    full = torch.load(tmp_path / "full.pt")
+    ckpt4 = run / "checkpoint-4"
+    files = set(os.listdir(ckpt4))
+    assert {"metadata.json", "trainer_state.json", "config.json", "training_args.bin"} <= files
+    assert not files & set(NATIVE), files & set(NATIVE)  # nothing written twice
+    meta = cp.read_metadata(ckpt4)
+    assert meta.step == 4 and meta.world_size == 2 and "sched/last_epoch" in meta.objects
+    assert json.loads(open(ckpt4 / "trainer_state.json").read())["global_step"] == 4
+
+    for world in (2, 1):
+        out = tmp_path / f"resume{world}"
+        shutil.copytree(ckpt4, out / "checkpoint-4")
+        run_env_ranks(world, train, str(out), str(out / "checkpoint-4"), tmp_path / f"r{world}.pt", False, None)
+        resumed = torch.load(tmp_path / f"r{world}.pt")
+        assert sorted(resumed["losses"]) == list(range(1, STEPS + 1))  # steps 1-4 from trainer_state.json
+        assert resumed["lr"] == full["lr"]  # the scheduler carried on
+        for step, loss in resumed["losses"].items():
+            if world == 2:  # same processes, same arithmetic: identical
+                assert loss == full["losses"][step]
+            else:  # one process sums the 4-sample batch in another order than two processes do
+                assert abs(loss - full["losses"][step]) <= 1e-5 * abs(full["losses"][step])
+        for k, w in full["weights"].items():
+            if world == 2:
+                assert torch.equal(resumed["weights"][k], w), k
+            else:
+                torch.testing.assert_close(resumed["weights"][k], w, rtol=1e-4, atol=1e-6)
+
+
+def test_trainer_async_saves_rotate_only_committed_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    run_env_ranks(2, train, str(run), None, tmp_path / "full.pt", True, 2)
+    assert sorted(os.listdir(run)) == ["checkpoint-4", "checkpoint-6"]
+    for name in ("checkpoint-4", "checkpoint-6"):
+        assert cp.read_metadata(run / name).step == int(name.split("-")[1])  # committed, whole
