@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -202,10 +202,12 @@ class Checkpointer:
 
     def save(self, path, state: Dict[str, Any], *, async_: bool = False, overlap: bool = False,
              framework: str = "torch", layout: Optional[Dict[str, Any]] = None, step: Optional[int] = None,
-             overwrite: bool = False):
+             overwrite: bool = False, on_commit: Optional[Callable[[], None]] = None):
         """Save `state` to `path`. Sync: returns SaveInfo once committed. `async_=True`: returns a
         SaveHandle once the snapshot is taken. `overlap=True`: returns a SaveHandle at once, the
         snapshot running in the background; call `wait_snapshot()` before the next optimizer step.
+        `on_commit()` runs on the coordinating rank right after the commit, before the save counts
+        as done (a "latest" pointer, retention); its failure is the save's error.
         """
         coord = self._groups()
         storage = storage_for(path, direct_io=self.direct_io)
@@ -264,7 +266,7 @@ class Checkpointer:
 
         def start_writes() -> None:  # the writers follow the snapshot's progress piece by piece
             self._executor.submit(self._write_and_commit, handle, storage, job, slot, cached,
-                                  object_entries, meta_extra, len(cached.writes))
+                                  object_entries, meta_extra, len(cached.writes), on_commit)
 
         if async_ and not overlap:
             snapshot()  # training waits for this alone: it gets the cores to itself
@@ -316,7 +318,8 @@ class Checkpointer:
         return self._cache, False
 
     def _write_and_commit(self, handle: SaveHandle, storage: Storage, job: StagedWrite, slot,
-                          cached: _CachedPlan, object_entries, meta_extra, n_tensor_items: int) -> None:
+                          cached: _CachedPlan, object_entries, meta_extra, n_tensor_items: int,
+                          on_commit: Optional[Callable[[], None]]) -> None:
         bg, info = self._bg, handle.info
         t = time.perf_counter()
         try:
@@ -335,7 +338,7 @@ class Checkpointer:
                 entry.crc32c = crc
             results = bg.gather((result[0], result[1][:n_tensor_items] if result[0] == "ok" else result[1],
                                  object_entries, result[2]))
-            outcome = self._commit(storage, cached.plan, results, meta_extra) if bg.is_coordinator else None
+            outcome = self._commit(storage, cached.plan, results, meta_extra, on_commit) if bg.is_coordinator else None
             commit, info.total_bytes = bg.broadcast(outcome)
         except Exception as exc:  # a broken coordination group: this rank cannot know the outcome
             commit = f"coordination failed: {_describe(exc)}; the save may not be committed"
@@ -346,7 +349,8 @@ class Checkpointer:
             return
         handle._done.set()
 
-    def _commit(self, storage: Storage, plan: SavePlan, results, meta_extra) -> Tuple[Optional[str], int]:
+    def _commit(self, storage: Storage, plan: SavePlan, results, meta_extra,
+                on_commit: Optional[Callable[[], None]]) -> Tuple[Optional[str], int]:
         """Write the metadata if every rank succeeded: (error or None, checkpoint bytes)."""
         failed = [(r, res[1]) for r, res in enumerate(results) if res[0] == "error"]
         if failed:
@@ -369,6 +373,11 @@ class Checkpointer:
             storage.put_atomic(METADATA_FILE, metadata.to_json())
         except Exception as exc:
             return f"commit failed: {_describe(exc)}; nothing was committed", 0
+        if on_commit is not None:
+            try:
+                on_commit()
+            except Exception as exc:
+                return f"{storage} is committed, but the step after the commit failed: {_describe(exc)}", 0
         return None, metadata.total_bytes
 
     def wait(self) -> None:

@@ -74,7 +74,7 @@ def write_checkpoint(path, fragments: Sequence[LazyFragment], objects: Optional[
     object_meta: Dict[str, List[ObjectMeta]] = {}
     if encoded:
         with _SequentialFile(storage, obj_file) as out:
-            for (key, encoding, data), (file, offset) in zip(encoded, placed):
+            for (key, encoding, data), (file, offset) in sorted(zip(encoded, placed), key=lambda x: x[1][1]):
                 out.write_at(offset, data)
                 object_meta[key] = [ObjectMeta(file=file, offset=offset, nbytes=len(data),
                                                crc32c=chunk_checksums(data), encoding=encoding)]
@@ -93,6 +93,8 @@ class _SequentialFile:
         self.writer, self.pos = storage.open_writer(name), 0
 
     def write_at(self, offset: int, data) -> None:
+        if offset < self.pos:
+            raise ValueError(f"items must be written in offset order: {offset} after {self.pos}")
         if offset > self.pos:
             self.writer.write(bytes(offset - self.pos))
         self.writer.write(data)

@@ -212,15 +212,24 @@ def candidate_keys(spec: TensorSpec) -> Tuple[str, ...]:
     return (spec.key,) + tuple(spec.sources)
 
 
+# Conversions that lose nothing: a bf16 checkpoint fills an fp32 model exactly.
+EXACT_WIDENING = {("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "float64"),
+                  ("float16", "float64"), ("float32", "float64")}
+
+
 def choose_source(metadata: Metadata, spec: TensorSpec) -> Optional[str]:
-    """The stored key that fills `spec`: the first candidate of the wanted dtype, else (when the
-    spec allows a cast) the first present; None when no candidate is stored."""
+    """The stored key that fills `spec`: the first candidate of the wanted dtype, else the first
+    that widens to it exactly, else (when the spec allows a cast) the first present; None when no
+    candidate is stored."""
     present = [resolve_key(metadata, k) for k in candidate_keys(spec)
                if resolve_key(metadata, k) in metadata.tensors]
     if not present:
         return None
     for key in present:
         if metadata.tensors[key].dtype == spec.dtype:
+            return key
+    for key in present:
+        if (metadata.tensors[key].dtype, spec.dtype) in EXACT_WIDENING:
             return key
     if spec.cast:
         return present[0]

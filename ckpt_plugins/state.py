@@ -238,18 +238,22 @@ class OptimizerHandler(Handler):
     covers. Param-group hyperparameters are one object, matched to groups by parameter names.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, layouts: Dict[int, ParamLayout]):
+    def __init__(self, optimizer: torch.optim.Optimizer, layouts: Dict[int, ParamLayout],
+                 groups: Optional[List[Tuple[dict, List[torch.Tensor]]]] = None):
+        """`groups`: (param group, its parameters) when the optimizer's own `params` lists are not
+        filled at checkpoint time (DeepSpeed ZeRO-3 fills them only around its step)."""
         self.optimizer = optimizer
+        self.groups = groups if groups is not None else [(g, list(g["params"])) for g in optimizer.param_groups]
         self.layouts = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
+        for _, params in self.groups:
+            for p in params:
                 if id(p) not in layouts:
                     raise ValueError(f"optimizer parameter of shape {tuple(p.shape)} belongs to no module "
                                      "in the state: save the model in the same state dict")
                 self.layouts[id(p)] = layouts[id(p)]
 
     def _params(self):
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+        return [p for _, params in self.groups for p in params]
 
     def save_items(self, prefix: str) -> SaveItems:
         items = SaveItems()
@@ -266,8 +270,8 @@ class OptimizerHandler(Handler):
                     items.objects.update((key_of(name), value) for name in layout.names)
         items.objects[f"{prefix}/param_groups"] = [
             {**{k: v for k, v in g.items() if k != "params"},
-             "params": [n for p in g["params"] for n in self.layouts[id(p)].names]}
-            for g in self.optimizer.param_groups]
+             "params": [n for p in params for n in self.layouts[id(p)].names]}
+            for g, params in self.groups]
         return items
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
@@ -276,7 +280,8 @@ class OptimizerHandler(Handler):
         for key in list(metadata.tensors) + list(metadata.objects):
             if key.startswith(prefix + "/") and key != f"{prefix}/param_groups":
                 pname, _, sname = key[len(prefix) + 1:].rpartition("/")
-                stored.setdefault(pname, set()).add(sname)
+                if sname != MASTER:  # master weights are not this optimizer's state (see add_master_sources)
+                    stored.setdefault(pname, set()).add(sname)
         for p in self._params():
             layout = self.layouts[id(p)]
             if p not in self.optimizer.state:
@@ -307,8 +312,8 @@ class OptimizerHandler(Handler):
 
     def _apply_groups(self, saved_groups: List[dict]) -> None:
         by_param = {name: g for g in saved_groups for name in g["params"]}
-        for group in self.optimizer.param_groups:
-            names = [n for p in group["params"] for n in self.layouts[id(p)].names]
+        for group, params in self.groups:
+            names = [n for p in params for n in self.layouts[id(p)].names]
             sources = {id(by_param[n]) for n in names if n in by_param}
             if len(sources) > 1:
                 raise LoadMismatchError(f"a param group ({names[:3]}...) mixes parameters from saved groups "

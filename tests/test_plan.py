@@ -84,10 +84,12 @@ def test_read_once_assignment_reads_every_shared_range_once():
 
 def test_load_source_of_the_wanted_dtype_is_preferred_and_casts_need_consent():
     stored = plan_save([[spec("model/w", (4, 2), dtype="bfloat16"), spec("optim/w/master", (4, 2))]]).metadata
-    weights = spec("model/w", (4, 2))  # an fp32 model
-    with pytest.raises(LoadMismatchError, match=r"model/w: the model wants float32, .*model/w is bfloat16"):
+    weights = spec("model/w", (4, 2), dtype="float16")
+    with pytest.raises(LoadMismatchError, match=r"model/w: the model wants float16, .*model/w is bfloat16"):
         plan_load(stored, [weights])
     from dataclasses import replace
+    weights = replace(weights, dtype="float32")  # an fp32 model
+    assert plan_load(stored, [weights]).reads[0].key == "model/w"  # bf16 -> fp32 loses nothing: allowed
     (read,) = plan_load(stored, [replace(weights, sources=("optim/w/master",))]).reads
     assert read.key == "optim/w/master"  # the fp32 master fills an fp32 model exactly
     (read,) = plan_load(stored, [replace(weights, dtype="bfloat16", sources=("optim/w/master",))]).reads

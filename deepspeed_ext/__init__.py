@@ -1,0 +1,63 @@
+"""deepspeed_ext: DeepSpeed ZeRO 0-3 through ckpt_plugins, switched on by a config entry.
+
+    "checkpoint": {"backend": "bytecheckpoint", "async": false}
+
+in the DeepSpeed config, then either `engine, optimizer, _, scheduler = deepspeed_ext.initialize(...)`
+(same arguments as `deepspeed.initialize`) or `deepspeed_ext.install()` once, which makes every
+`deepspeed.initialize` call (the HF Trainer's and accelerate's included) do the same. Without the
+entry DeepSpeed behaves exactly as before.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from .engine import engine_state, enable
+from .zero import DeepSpeedModel, DeepSpeedOptimizer
+
+BACKEND = "bytecheckpoint"
+
+__all__ = ["initialize", "install", "enable", "engine_state", "options_of", "DeepSpeedModel",
+           "DeepSpeedOptimizer"]
+
+
+def options_of(engine) -> Optional[Dict[str, Any]]:
+    """The engine's `checkpoint` config section when it selects ckpt_plugins, else None."""
+    config = getattr(engine, "config", None) or {}
+    section = config.get("checkpoint") if isinstance(config, dict) else None
+    if isinstance(section, dict) and section.get("backend") == BACKEND:
+        return section
+    return None
+
+
+def _activate(result):
+    engine = result[0]
+    options = options_of(engine)
+    if options is not None:
+        enable(engine, options)
+    return result
+
+
+def initialize(*args, **kwargs):
+    """`deepspeed.initialize`, then ckpt_plugins checkpointing when the config asks for it."""
+    import deepspeed
+    return _activate(_native_initialize(deepspeed)(*args, **kwargs))
+
+
+def _native_initialize(deepspeed):
+    return getattr(deepspeed.initialize, "_ckpt_plugins_native", deepspeed.initialize)
+
+
+def install() -> None:
+    """Make `deepspeed.initialize` itself activate ckpt_plugins (for callers you do not control,
+    such as the HF Trainer). Idempotent."""
+    import deepspeed
+    if hasattr(deepspeed.initialize, "_ckpt_plugins_native"):
+        return
+    native = deepspeed.initialize
+
+    def initialize_with_checkpoints(*args, **kwargs):
+        return _activate(native(*args, **kwargs))
+
+    initialize_with_checkpoints._ckpt_plugins_native = native
+    initialize_with_checkpoints.__doc__ = native.__doc__
+    deepspeed.initialize = initialize_with_checkpoints

@@ -1,0 +1,24 @@
+"""`bcp import-deepspeed`: registered with the core's `bcp` through an entry point."""
+from __future__ import annotations
+
+
+def cmd_import(args) -> int:
+    from ckpt_plugins.cli import Progress
+
+    from .native import import_deepspeed
+    progress = Progress(0, "import")
+    metadata = import_deepspeed(args.ds_dir, args.path, overwrite=args.overwrite, progress=progress.advance)
+    progress.close()
+    print(f"wrote checkpoint {args.path}: {len(metadata.tensors)} tensors, {metadata.total_bytes:,} bytes "
+          f"(ZeRO stage {metadata.layout['zero_stage']}, {metadata.layout['dp_world_size']} ranks, "
+          f"{metadata.layout['dtype']})")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("import-deepspeed", help="turn a native DeepSpeed ZeRO 1-3 checkpoint into a ckpt_plugins "
+                                                "checkpoint (no GPU, no process group)")
+    p.add_argument("ds_dir", help="a checkpoint tag directory (global_stepN), or the save dir holding `latest`")
+    p.add_argument("path")
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at PATH")
+    p.set_defaults(func=cmd_import)

@@ -1,0 +1,138 @@
+"""`engine.save_checkpoint` / `engine.load_checkpoint` through ckpt_plugins, same signatures.
+
+DeepSpeed has no registry for third-party checkpoint engines, and a custom `checkpoint_engine` only
+sees DeepSpeed's own gathered state dicts; rebinding the two methods on the engine instance is the
+one place every caller (user code, the HF Trainer) goes through. Semantics kept: `save_dir/<tag>`
+(default tag `global_step<N>`), the `latest` file (written by rank 0 once the checkpoint has
+committed), `client_state` (returned by load), the LR scheduler, `global_steps`, `global_samples`,
+`skipped_steps`, and the `load_optimizer_states`, `load_lr_scheduler_states`, `load_module_only`
+flags. A directory without ckpt_plugins metadata (a native DeepSpeed checkpoint) is loaded by
+DeepSpeed's own method.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Optional
+
+import ckpt_plugins as cp
+from ckpt_plugins.format import METADATA_FILE
+from ckpt_plugins.state import Handler, LoadItems, SaveItems
+from ckpt_plugins.storage import storage_for
+
+from .zero import DeepSpeedModel, DeepSpeedOptimizer
+
+log = logging.getLogger("deepspeed_ext")
+LATEST = "latest"
+COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+class ClientState(Handler):
+    """`client_state`: one replicated object (JSON when plain, else the safe torch encoding);
+    loaded when the checkpoint has one."""
+
+    def __init__(self, value: Optional[Dict[str, Any]] = None):
+        self.value = value
+
+    def save_items(self, prefix: str) -> SaveItems:
+        return SaveItems(objects={prefix: dict(self.value or {})})
+
+    def load_items(self, prefix: str, metadata) -> LoadItems:
+        if prefix not in metadata.objects:
+            return LoadItems()
+        return LoadItems(objects={prefix: lambda v: setattr(self, "value", v)})
+
+
+class Counters(Handler):
+    """The engine's step counters; loaded when the checkpoint has them (a checkpoint from another
+    framework does not)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def save_items(self, prefix: str) -> SaveItems:
+        return SaveItems(objects={f"{prefix}/{name}": int(getattr(self.engine, name)) for name in COUNTERS})
+
+    def load_items(self, prefix: str, metadata) -> LoadItems:
+        return LoadItems(objects={f"{prefix}/{name}": lambda v, n=name: setattr(self.engine, n, v)
+                                  for name in COUNTERS if f"{prefix}/{name}" in metadata.objects})
+
+
+def engine_state(engine, *, optimizer: bool = True, scheduler: bool = True, counters: bool = True) -> Dict[str, Any]:
+    """The ckpt_plugins state of a DeepSpeed engine: `model`, `optim` (masters always, optimizer
+    state when `optimizer`), `sched`, `engine` counters."""
+    state: Dict[str, Any] = {"model": DeepSpeedModel(engine)}
+    if engine.optimizer is not None:
+        state["optim"] = DeepSpeedOptimizer(engine, optimizer_state=optimizer)
+    if scheduler and engine.lr_scheduler is not None:
+        state["sched"] = engine.lr_scheduler
+    if counters:
+        state["engine"] = Counters(engine)
+    return state
+
+
+def layout(engine) -> Dict[str, Any]:
+    return {"zero_stage": engine.zero_optimization_stage(), "dp_world_size": engine.dp_world_size,
+            "dtype": "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"}
+
+
+class Hooks:
+    def __init__(self, engine, options: Dict[str, Any]):
+        self.engine = engine
+        self.async_save = bool(options.get("async", False))
+        self.native_load = engine.load_checkpoint
+        self.checkpointer = cp.checkpointer()
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
+                        exclude_frozen_parameters=False):
+        engine = self.engine
+        if not save_dir:
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+        if exclude_frozen_parameters:
+            log.warning("exclude_frozen_parameters is ignored: ckpt_plugins always stores frozen parameters")
+        tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+        path = os.path.join(save_dir, tag)
+        state = {**engine_state(engine), "client_state": ClientState(client_state)}
+
+        def write_latest() -> None:  # only once the checkpoint is whole
+            if save_latest:
+                storage_for(save_dir).put_atomic(LATEST, tag.encode())
+
+        self.checkpointer.save(path, state, async_=self.async_save, framework="deepspeed", layout=layout(engine),
+                               step=int(engine.global_steps), overwrite=True, on_commit=write_latest)
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        engine = self.engine
+        if tag is None:
+            latest = os.path.join(load_dir, LATEST)
+            if not os.path.isfile(latest):
+                log.warning("no %s file in %s: pass an explicit tag to load a checkpoint", LATEST, load_dir)
+                return None, None
+            with open(latest) as f:
+                tag = f.read().strip()
+        path = os.path.join(load_dir, str(tag))
+        if not os.path.isfile(os.path.join(path, METADATA_FILE)) and not os.path.isdir(os.path.join(path, "data")):
+            return self.native_load(load_dir, tag, load_module_strict, load_optimizer_states,
+                                    load_lr_scheduler_states, load_module_only, custom_load_fn)
+        full = not load_module_only
+        state = engine_state(engine, optimizer=full and load_optimizer_states,
+                             scheduler=full and load_lr_scheduler_states, counters=full)
+        client = ClientState()
+        state["client_state"] = client
+        ignored = {k: cp.Ignore() for k in ("optim", "sched", "engine") if k not in state}
+        result = self.checkpointer.load(path, {**state, **ignored}, strict=load_module_strict)
+        if result.missing_keys and not load_module_strict:
+            log.warning("%s: %d key(s) not in the checkpoint were left as they were: %s", path,
+                        len(result.missing_keys), ", ".join(result.missing_keys[:5]))
+        return path, client.value or {}
+
+
+def enable(engine, options: Optional[Dict[str, Any]] = None):
+    """Route `engine.save_checkpoint`/`load_checkpoint` through ckpt_plugins. Returns the engine."""
+    hooks = Hooks(engine, options or {})
+    engine.save_checkpoint = hooks.save_checkpoint
+    engine.load_checkpoint = hooks.load_checkpoint
+    engine._ckpt_plugins = hooks
+    return engine

@@ -1,0 +1,215 @@
+"""DeepSpeed engine state as fragments: ZeRO stages 0-3, fp32 or bf16 with fp32 masters.
+
+Each rank describes what it holds, straight from DeepSpeed's own bookkeeping, under the model's
+canonical (HF) parameter names; nothing is gathered:
+- weights (`model/<name>`) in the training dtype: whole on every rank for stages 0-2 (written once
+  by the save plan), the rank's flat partition `param.ds_tensor` for stage 3;
+- fp32 masters (`optim/<name>/master`, only when training in bf16/fp16) and optimizer state
+  (`optim/<name>/exp_avg`, ...): the rank's flat fp32 partition, which DeepSpeed's base optimizer
+  steps, cut at arbitrary element positions: `param._hp_mapping` (stages 1-2 and the bf16
+  optimizer) or `grad_position` (stage 3) says which elements of which parameter each piece holds.
+The base optimizer's state and param groups go through the core's OptimizerHandler with a layout
+per flat partition, so they are stored per canonical parameter like every other framework's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ckpt_plugins.format import Metadata
+from ckpt_plugins.fragment import Fragment, flat_fragments
+from ckpt_plugins.state import (MASTER, MODEL, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
+                                SaveItems, add_master_sources, canonical_name, plain_layout, tensor_fragments)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, start + numel) of parameter `name` sit at [offset, offset + numel) of a flat buffer."""
+    name: str
+    shape: Tuple[int, ...]
+    offset: int
+    numel: int
+    start: int
+
+
+def flat_layout(names: Tuple[str, ...], shapes: Tuple[Tuple[int, ...], ...], pieces: List[Piece]) -> ParamLayout:
+    def fragments(tensor: torch.Tensor, key_of) -> List[Fragment]:
+        out: List[Fragment] = []
+        for p in pieces:
+            out += flat_fragments(key_of(p.name), p.shape, tensor.narrow(0, p.offset, p.numel), p.start)
+        return out
+    return ParamLayout(names, shapes, fragments)
+
+
+def _stage3_range(param) -> Tuple[int, int]:
+    """(first element, numel) of `param` in this rank's stage-3 partition, padding excluded."""
+    per_rank = param.ds_tensor.ds_numel
+    start = dist.get_rank(group=param.ds_process_group) * per_rank
+    return start, max(0, min(per_rank, param.ds_numel - start))
+
+
+class ZeroState:
+    """What one engine holds, by canonical name. Built per save/load (DeepSpeed relinks its views)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.stage = engine.zero_optimization_stage()
+        module = engine.module
+        self.names = {id(p): canonical_name(n) for n, p in module.named_parameters()}
+        self.aliases: Dict[str, str] = {}
+        first: Dict[int, str] = {}
+        for n, p in module.named_parameters(remove_duplicate=False):
+            name = canonical_name(n)
+            if id(p) in first and first[id(p)] != name:
+                self.aliases[name] = first[id(p)]
+            first.setdefault(id(p), name)
+        self.params = [(self.names[id(p)], p) for p in dict.fromkeys(p for _, p in module.named_parameters())]
+        self.buffers = {canonical_name(f"{mn}.{bn}" if mn else bn): b for mn, m in module.named_modules()
+                        for bn, b in m.named_buffers(recurse=False)
+                        if b is not None and bn not in m._non_persistent_buffers_set}
+        wrapper = engine.optimizer
+        self.base = getattr(wrapper, "optimizer", None) if wrapper is not None else None
+        self.low_precision = engine.bfloat16_enabled() or engine.fp16_enabled()
+        self.layouts: Dict[int, ParamLayout] = {}
+        self.masters: List[torch.Tensor] = []  # what the base optimizer steps: fp32 (flat) partitions
+        self.groups = None  # (param group, flat partitions) where the base optimizer's lists are empty
+        if wrapper is None:
+            return
+        if self.stage == 3:
+            self._stage3(wrapper)
+        elif hasattr(wrapper, "single_partition_of_fp32_groups"):  # stages 1-2
+            self._hp_mapped(wrapper.bit16_groups, wrapper.single_partition_of_fp32_groups)
+        elif hasattr(wrapper, "fp32_groups_flat_partition"):  # BF16_Optimizer (bf16 + fp32 accumulation)
+            self._hp_mapped(wrapper.bf16_groups, wrapper.fp32_groups_flat_partition)
+        elif isinstance(getattr(wrapper, "fp32_groups", None), list) and hasattr(wrapper, "fp16_groups") \
+                and not hasattr(wrapper, "fp32_groups_flat"):  # FP16_UnfusedOptimizer: stage 0, bf16/fp16
+            for lp_group, hp_group in zip(wrapper.fp16_groups, wrapper.fp32_groups):
+                for lp, hp in zip(lp_group, hp_group):  # one whole fp32 copy per parameter
+                    self.layouts[id(hp)] = plain_layout(self.names[id(lp)], hp)
+                    self.masters.append(hp)
+        elif isinstance(wrapper, torch.optim.Optimizer) and self.base is None:
+            # stage 0, fp32: DeepSpeed steps the client optimizer on the parameters themselves
+            self.base = wrapper
+            self.layouts = {id(p): plain_layout(name, p) for name, p in self.params}
+        else:
+            raise NotImplementedError(f"deepspeed_ext cannot map DeepSpeed's {type(wrapper).__name__} (the fused "
+                                      "FP16_Optimizer needs FusedAdam); use ZeRO stage 1-3 or a torch optimizer")
+
+    def _group_layout(self, params, pieces: List[Piece]) -> ParamLayout:
+        names = tuple(self.names[id(p)] for p in params)
+        shapes = tuple(tuple(getattr(p, "ds_shape", p.shape)) for p in params)
+        return flat_layout(names, shapes, pieces)
+
+    def _hp_mapped(self, lp_groups, flat_partitions) -> None:
+        for params, flat in zip(lp_groups, flat_partitions):
+            pieces = [Piece(self.names[id(p)], tuple(p.shape), p._hp_mapping.hp_fragment_address.start,
+                            p._hp_mapping.hp_fragment_address.numel, p._hp_mapping.lp_fragment_address.start)
+                      for p in params if getattr(p, "_hp_mapping", None) is not None]
+            self.layouts[id(flat)] = self._group_layout(params, pieces)
+            self.masters.append(flat)
+
+    def _stage3(self, wrapper) -> None:
+        # ZeRO-3 puts the flat partitions into the base optimizer's param groups only around a step
+        self.groups = [(g, []) for g in self.base.param_groups]
+        for group, params in enumerate(wrapper.fp16_groups):
+            flat = wrapper.fp32_partitioned_groups_flat[group]
+            self.groups[wrapper.sub_group_to_group_id[group]][1].append(flat)
+            pieces = []
+            for p in params:
+                _, offset, _ = wrapper.grad_position[wrapper.get_param_id(p)]
+                start, numel = _stage3_range(p)
+                pieces.append(Piece(self.names[id(p)], tuple(p.ds_shape), offset, numel, start))
+            self.layouts[id(flat)] = self._group_layout(params, pieces)
+            self.masters.append(flat)
+
+    # ---------------------------------------------------------------- fragments
+
+    def weight_fragments(self, prefix: str) -> List[Fragment]:
+        frags: List[Fragment] = []
+        for name, p in self.params:
+            key = f"{prefix}/{name}"
+            if self.stage == 3:
+                start, numel = _stage3_range(p)
+                frags += flat_fragments(key, tuple(p.ds_shape), p.ds_tensor.detach()[:numel], start)
+            else:
+                frags += tensor_fragments(key, p)
+        for name, b in self.buffers.items():
+            frags += tensor_fragments(f"{prefix}/{name}", b)
+        return frags
+
+    def master_fragments(self, prefix: str) -> List[Fragment]:
+        frags: List[Fragment] = []
+        for master in self.masters:
+            frags += self.layouts[id(master)].fragments(master.detach(), lambda n: f"{prefix}/{n}/{MASTER}")
+        return frags
+
+
+class DeepSpeedModel(Handler):
+    """The engine's weights, in the training dtype, by canonical name (frozen parameters included)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def save_items(self, prefix: str) -> SaveItems:
+        zero = ZeroState(self.engine)
+        return SaveItems(fragments=zero.weight_fragments(prefix),
+                         aliases={f"{prefix}/{a}": f"{prefix}/{t}" for a, t in zero.aliases.items()})
+
+    def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
+        zero = ZeroState(self.engine)
+        frags = add_master_sources(prefix, zero.weight_fragments(prefix))
+        for frag in frags:  # low-precision weights are a rounding of the masters: any stored copy will do
+            frag.cast = zero.low_precision
+        return LoadItems(fragments=frags, accepted={f"{prefix}/{a}" for a in zero.aliases},
+                         finish=[lambda: _after_load(self.engine)])
+
+
+class DeepSpeedOptimizer(Handler):
+    """The fp32 master partitions and the base optimizer's state, by canonical name.
+
+    Masters are stored only in bf16/fp16 training (in fp32 they are the weights); on load they are
+    filled from the masters when the checkpoint has them, else from the weights (fp32 weights
+    exactly; low-precision ones, e.g. an HF bf16 import, widened). With `optimizer_state=False` a
+    load fills the masters only (DeepSpeed's load_module_only / load_optimizer_states=False: the
+    masters must follow the weights) and accepts the rest of the checkpoint's optimizer entries."""
+
+    def __init__(self, engine, optimizer_state: bool = True):
+        self.engine = engine
+        self.optimizer_state = optimizer_state
+
+    def save_items(self, prefix: str) -> SaveItems:
+        zero = ZeroState(self.engine)
+        items = OptimizerHandler(zero.base, zero.layouts, zero.groups).save_items(prefix)
+        if zero.low_precision:
+            items.fragments += zero.master_fragments(prefix)
+        return items
+
+    def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
+        zero = ZeroState(self.engine)
+        if self.optimizer_state:
+            items = OptimizerHandler(zero.base, zero.layouts, zero.groups).load_items(prefix, metadata)
+        else:
+            items = Ignore().load_items(prefix, metadata)
+        for frag in zero.master_fragments(prefix):
+            name = frag.key[len(prefix) + 1:-len(MASTER) - 1]
+            frag.sources, frag.cast = (f"{MODEL}/{name}",), True
+            items.fragments.append(frag)
+        return items
+
+
+def _after_load(engine) -> None:
+    """Let DeepSpeed pick up what was written into its buffers."""
+    optimizer = engine.optimizer
+    base = getattr(optimizer, "optimizer", None)
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state") and base is not None and base.state:
+        # stages 1-2 and the bf16 optimizer link each parameter to its slice of the optimizer state
+        # at their first step; state created by the load gets linked now
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+    if engine.zero_optimization_stage() == 3 and getattr(optimizer, "persistent_parameters", None):
+        # persistent parameters also live gathered: drop those copies, gather the loaded partitions
+        optimizer.persistent_parameters[0].partition(optimizer.persistent_parameters)
+        optimizer.persistent_parameters[0].all_gather(optimizer.persistent_parameters)
