@@ -23,6 +23,7 @@ from .staging import align_up
 from .storage import Storage
 
 PIECE = 8 << 20  # bytes per write call: big enough for the disk, small enough to pipeline
+READ_PIECE = 8 << 20  # a big stored range is read as pieces of this size in parallel
 
 
 @dataclass
@@ -197,30 +198,53 @@ def read_items(storage: Storage, reads: Sequence[ReadItem], targets: Sequence[Fr
             buf = torch.empty(t.end - t.start, dtype=torch.uint8)
             incoming.append((reads[position], t, buf, dist.irecv(buf, group=group, group_src=t.reader, tag=t.tag)))
 
-    def run(position: int) -> int:
-        read = reads[position]
-        t = transfers.get(position)
-        start, end = (t.start, t.end) if t else (read.start, read.end)
-        stored = read.stored
-        dtype = dtype_from_name(dtypes[read.key])
-        direct = None if t is not None else _direct_destination(read, targets, dtype)
-        data = read_checked(storage, read.key, stored.file, stored.offset, stored.nbytes, start, end,
-                            stored.crc32c, chunk, buffer=direct)
-        if t is not None:
-            tensor = torch.frombuffer(data, dtype=torch.uint8)
-            with send_lock:
-                outgoing.extend((dist.isend(tensor, group=group, group_dst=r, tag=t.tag), tensor)
-                                for r in t.needers if r != rank)
-        if direct is None:
-            copy_out(read, memoryview(data)[read.start - start:read.end - start], targets, dtype)
-        return end - start
+    class Job:
+        """One read, split into pieces that run in parallel; the last piece to land finishes it."""
 
-    mine = [p for p in range(len(reads)) if p not in transfers or transfers[p].reader == rank]
-    if threads <= 1 or len(mine) <= 1:
-        nbytes = sum(run(p) for p in mine)
+        def __init__(self, position: int):
+            self.read = reads[position]
+            self.transfer = transfers.get(position)
+            self.start, self.end = ((self.transfer.start, self.transfer.end) if self.transfer
+                                    else (self.read.start, self.read.end))
+            self.dtype = dtype_from_name(dtypes[self.read.key])
+            direct = None if self.transfer is not None else _direct_destination(self.read, targets, self.dtype)
+            self.direct = direct is not None
+            self.data = direct if direct is not None else memoryview(bytearray(self.end - self.start))
+            step = max(chunk, READ_PIECE // chunk * chunk)  # pieces start on checksum chunks
+            self.pieces = [(self, s, min(s + step, self.end)) for s in range(self.start, self.end, step)]
+            self.left = len(self.pieces)
+            self.lock = threading.Lock()
+            if not self.pieces:  # nothing to read (an empty range) still completes its transfer
+                self.finish()
+
+        def run_piece(self, start: int, end: int) -> int:
+            stored = self.read.stored
+            read_checked(storage, self.read.key, stored.file, stored.offset, stored.nbytes, start, end,
+                         stored.crc32c, chunk, buffer=self.data[start - self.start:end - self.start])
+            with self.lock:
+                self.left -= 1
+                last = self.left == 0
+            if last:
+                self.finish()
+            return end - start
+
+        def finish(self) -> None:
+            if self.transfer is not None:
+                tensor = torch.frombuffer(self.data, dtype=torch.uint8)
+                with send_lock:
+                    outgoing.extend((dist.isend(tensor, group=group, group_dst=r, tag=self.transfer.tag), tensor)
+                                    for r in self.transfer.needers if r != rank)
+            if not self.direct:
+                copy_out(self.read, self.data[self.read.start - self.start:self.read.end - self.start], targets,
+                         self.dtype)
+
+    pieces = [piece for p in range(len(reads)) if p not in transfers or transfers[p].reader == rank
+              for piece in Job(p).pieces]
+    if threads <= 1 or len(pieces) <= 1:
+        nbytes = sum(job.run_piece(s, e) for job, s, e in pieces)
     else:
         with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read") as pool:
-            nbytes = sum(pool.map(run, mine))
+            nbytes = sum(pool.map(lambda piece: piece[0].run_piece(piece[1], piece[2]), pieces))
     for read, t, buf, work in incoming:
         work.wait()
         copy_out(read, memoryview(buf.numpy())[read.start - t.start:read.end - t.start], targets,

@@ -19,7 +19,7 @@ from .format import DATA_DIR, METADATA_FILE, Metadata, ObjectMeta, chunk_checksu
 from .fragment import Fragment, sub_view
 from .objects import encode_object
 from .plan import TensorSpec, place, plan_load, plan_save
-from .storage import Storage, storage_for
+from .storage import AlignedStream, Storage, storage_for
 
 
 @dataclass
@@ -90,7 +90,7 @@ class _SequentialFile:
     """A data file written front to back; gaps between items (alignment) are zero-filled."""
 
     def __init__(self, storage: Storage, name: str):
-        self.writer, self.pos = storage.open_writer(name), 0
+        self.writer, self.pos = AlignedStream(storage.open_writer(name)), 0
 
     def write_at(self, offset: int, data) -> None:
         if offset < self.pos:
@@ -121,11 +121,17 @@ def open_checkpoint(path) -> tuple:
 
 
 def read_tensor(storage: Storage, metadata: Metadata, key: str, dtype: Optional[torch.dtype] = None,
-                threads: int = 4) -> torch.Tensor:
-    """The whole tensor `key` (aliases resolved), read and checksum-verified."""
+                threads: int = 4, buffer: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The whole tensor `key` (aliases resolved), read and checksum-verified; into the front of
+    `buffer` (uint8, reused by a caller streaming many tensors: fresh memory pays page faults)
+    when given."""
     meta = metadata.tensors[metadata.aliases.get(key, key)]
     from .format import dtype_from_name
-    out = torch.empty(tuple(meta.shape), dtype=dtype or dtype_from_name(meta.dtype))
+    dtype = dtype or dtype_from_name(meta.dtype)
+    if buffer is None:
+        out = torch.empty(tuple(meta.shape), dtype=dtype)
+    else:
+        out = buffer[:math.prod(meta.shape) * dtype.itemsize].view(dtype).view(tuple(meta.shape))
     frag = Fragment(key, tuple(meta.shape), out.dtype, (0,) * out.dim(), out, cast=dtype is not None)
     spec = TensorSpec(key, tuple(meta.shape), dtype_name(out.dtype), frag.offsets, tuple(out.shape), (), frag.cast)
     plan = plan_load(metadata, [spec])

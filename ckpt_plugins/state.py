@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .errors import LoadMismatchError
 from .format import Metadata
@@ -114,10 +113,19 @@ class Ignore(Handler):
 # ------------------------------------------------------------------ tensors
 
 
+def is_dtensor(tensor: Any) -> bool:
+    """Whether `tensor` is a DTensor. Without importing torch.distributed.tensor (about 1 s, paid
+    by every tool otherwise): until something imports it, no tensor can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 @functools.lru_cache(maxsize=None)
 def _dtensor_box(shape: torch.Size, mesh, placements) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """This rank's (local shape, global offsets) of a DTensor layout. Cached: it is the same at
     every save, and recomputing it for every tensor was most of a cached save's planning time."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     for placement in placements:
         if type(placement) not in (Shard, Replicate):
             raise ValueError(f"DTensor placement {placement} is not supported; only Shard(dim) and "
@@ -128,7 +136,7 @@ def _dtensor_box(shape: torch.Size, mesh, placements) -> Tuple[Tuple[int, ...], 
 
 def tensor_fragments(key: str, tensor: torch.Tensor) -> List[Fragment]:
     """The fragment of a plain tensor (whole, replicated) or of a DTensor's local shard."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         tensor = tensor.detach()
         return [Fragment(key, tuple(tensor.shape), tensor.dtype, (0,) * tensor.dim(), tensor)]
     try:
@@ -158,7 +166,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def _storage_id(tensor: torch.Tensor):
-    t = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    t = tensor._local_tensor if is_dtensor(tensor) else tensor
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
@@ -332,7 +340,7 @@ def _allocate(param: torch.Tensor, layout: ParamLayout, meta) -> torch.Tensor:
     dtype = dtype_from_name(meta.dtype)
     if tuple(meta.shape) in layout.shapes and param.dim() > 0:
         return torch.empty_like(param, dtype=dtype)
-    local = param._local_tensor if isinstance(param, DTensor) else param
+    local = param._local_tensor if is_dtensor(param) else param
     return torch.empty(meta.shape, dtype=dtype, device=local.device)
 
 

@@ -5,7 +5,21 @@
 - `hf_ext.trainer`: the Trainer integration; `hf_ext.accelerate`: save/load for accelerate loops;
   `hf_ext.safetensors_io`: export to and import from HF model directories.
 """
-from . import fsdp1  # noqa: F401  (registers the FSDP1 handler)
-from .fsdp1 import FSDP1ModuleHandler
+import sys
 
-__all__ = ["FSDP1ModuleHandler"]
+from ckpt_plugins.state import register_handler
+
+
+def _has_fsdp1_units(value) -> bool:
+    if "torch.distributed.fsdp" not in sys.modules:  # nothing can be wrapped in FSDP1 yet
+        return False
+    from .fsdp1 import has_fsdp1_units  # imported on first use: torch's FSDP1 costs ~1 s to import
+    return has_fsdp1_units(value)
+
+
+def _fsdp1_handler(value):
+    from .fsdp1 import FSDP1ModuleHandler
+    return FSDP1ModuleHandler(value)
+
+
+register_handler(_has_fsdp1_units, _fsdp1_handler)

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from ckpt_plugins.format import Metadata
 from ckpt_plugins.fragment import Fragment, flat_fragments
 from ckpt_plugins.state import (Handler, LoadItems, ParamLayout, SaveItems, add_master_sources, canonical_name,
-                                plain_layout, register_handler, tensor_fragments)
+                                plain_layout, tensor_fragments)
 
 Piece = Tuple[str, Tuple[int, ...], int, int, int]  # name, shape, offset in shard, numel, start in param
 
@@ -136,6 +136,3 @@ class FSDP1ModuleHandler(Handler):
 def has_fsdp1_units(value) -> bool:
     """A model with FSDP1 units anywhere (the root need not be wrapped)."""
     return isinstance(value, nn.Module) and any(isinstance(m, FSDP) for m in value.modules())
-
-
-register_handler(has_fsdp1_units, FSDP1ModuleHandler)

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -21,6 +22,7 @@ from ckpt_plugins.format import dtype_from_name, dtype_name
 from ckpt_plugins.offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
 from ckpt_plugins.plan import TensorSpec, choose_source
 from ckpt_plugins.state import HF_CONFIG, MODEL, master_key
+from ckpt_plugins.storage import AlignedStream, storage_for
 
 SAFE_NAME, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -53,10 +55,13 @@ def export_hf(path, out_dir: str, *, max_shard_bytes: int = 5 << 30, dtype: Opti
         sources[name] = (choose_source(metadata, spec), want, tuple(meta.shape))
     shards = _shard([(n, math.prod(s) * d.itemsize) for n, (_, d, s) in sources.items()], max_shard_bytes)
     os.makedirs(out_dir, exist_ok=True)
+    out_storage = storage_for(out_dir)
+    largest = max(math.prod(s) * d.itemsize for _, d, s in sources.values())
+    buffers = [torch.ones(largest, dtype=torch.uint8) for _ in range(2)]  # touched once, reused
     files = []
     weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = SAFE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    for index, shard in enumerate(shards):
+        fname = SAFE_NAME if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
         header, offset = {}, 0
         for name in shard:
             _, d, shape = sources[name]
@@ -67,20 +72,19 @@ def export_hf(path, out_dir: str, *, max_shard_bytes: int = 5 << 30, dtype: Opti
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        target = os.path.join(out_dir, fname)
-        with open(target + ".tmp", "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for name in shard:
-                key, d, _ = sources[name]
-                tensor = read_tensor(storage, metadata, key, dtype=d)
-                data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
-                f.write(memoryview(data))
+        out = AlignedStream(out_storage.open_writer(fname + ".tmp"))
+        try:
+            out.write(struct.pack("<Q", len(raw)) + raw)
+            for tensor in _prefetched(lambda n, buf: read_tensor(storage, metadata, sources[n][0], sources[n][1],
+                                                                 buffer=buf), shard, buffers):
+                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b""
+                out.write(data)
                 if progress:
-                    progress(len(memoryview(data)))
-                del tensor
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(target + ".tmp", target)
+                    progress(len(data))
+                del tensor, data
+        finally:
+            out.close()
+        os.replace(os.path.join(out_dir, fname + ".tmp"), os.path.join(out_dir, fname))
         files.append(fname)
     if len(shards) > 1:
         total = sum(math.prod(s) * d.itemsize for _, d, s in sources.values())
@@ -90,6 +94,17 @@ def export_hf(path, out_dir: str, *, max_shard_bytes: int = 5 << 30, dtype: Opti
         _write_json(os.path.join(out_dir, "config.json"), json.loads(read_object(storage, metadata, HF_CONFIG, None)))
         files.append("config.json")
     return files
+
+
+def _prefetched(load, names: List[str], buffers: List[torch.Tensor]):
+    """load(name, buffer) for each name, the next one loading (into the other buffer) while the
+    caller uses the current: reading overlaps writing, and memory stays at two buffers."""
+    with ThreadPoolExecutor(1, thread_name_prefix="export-read") as pool:
+        pending = pool.submit(load, names[0], buffers[0]) if names else None
+        for i in range(len(names)):
+            current = pending.result()
+            pending = pool.submit(load, names[i + 1], buffers[(i + 1) % 2]) if i + 1 < len(names) else None
+            yield current
 
 
 def _shard(sizes: List[Tuple[str, int]], limit: int) -> List[List[str]]:
