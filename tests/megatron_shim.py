@@ -22,6 +22,8 @@ idempotent. What it changes, and why (see /work/shared/FACTS.md, "Megatron-core 
 * ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` read and
   write the CPU default generator (the originals go through ``torch.cuda.default_generators`` and
   ``torch.cuda._lazy_call``, which on a CPU build fail or queue the call forever).
+* ``typing.override`` (Python 3.12) aliased to ``typing_extensions.override``: megatron.training's
+  model builders import it, and the 0.19.2 wheel is installed on 3.11 (see README).
 * Two upstream distributed-optimizer bugs with the torch AdamW fallback (no TE/apex), both on the
   *load* path only (training does not reach them): see ``_patch_distrib_optimizer_load``.
 """
@@ -249,6 +251,11 @@ _CUDA_FUNCS = {
     "stream": lambda stream=None: contextlib.nullcontext(stream),
     "Stream": _Stream,
     "Event": _Event,
+    # megatron.training's argument validation asks for the GPU architecture (Hopper here: no
+    # Blackwell-only paths)
+    "get_device_properties": lambda device=None: types.SimpleNamespace(major=9, minor=0, name="cpu (shim)",
+                                                                       total_memory=0, multi_processor_count=1),
+    "get_device_capability": lambda device=None: (9, 0),
 }
 
 
@@ -390,6 +397,10 @@ def install(fix_optimizer_load: bool = True) -> None:
     if _INSTALLED:
         return
     _patch_torch_cuda()
+    import typing
+    if not hasattr(typing, "override"):  # Python 3.12's, used by megatron.training on this 3.11
+        import typing_extensions
+        typing.override = typing_extensions.override
     if not _triton_importable():
         for name in _TRITON_MODULES:
             _preload_with_triton_stub(name)

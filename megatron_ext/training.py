@@ -1,0 +1,221 @@
+"""`--ckpt-backend bytecheckpoint`: Megatron's own `save_checkpoint`/`load_checkpoint` through ckpt_plugins.
+
+Enable it in your `pretrain_gpt.py` with two lines (the flag then switches it per run)::
+
+    import megatron_ext.training as bcp
+    bcp.install()                                   # before pretrain()
+    pretrain(..., extra_args_provider=bcp.add_arguments)
+    # with your own provider: extra_args_provider=bcp.with_arguments(my_provider)
+
+`install()` rebinds the two functions in `megatron.training.checkpointing` and in the modules that
+imported them by name (`training`); without the flag (`--ckpt-backend native`,
+the default) they call Megatron's own. Kept: `--save`/`--load`, `iter_NNNNNNN` directories,
+`latest_checkpointed_iteration.txt` (written by rank 0 once the checkpoint has committed), `--ckpt-step`,
+`--finetune`, `--no-save-optim`/`--no-load-optim`, `--no-save-rng`/`--no-load-rng`, `--async-save`
+(an asynchronous ckpt_plugins save), the iteration, FLOPs so far, consumed samples, the LR scheduler
+and RNG states (Python, NumPy, torch and Megatron's TP RNG tracker, per rank). `--load` may also name
+a ckpt_plugins checkpoint itself (one written by another framework): its weights (and optimizer
+state, when it has Megatron-compatible entries) load at iteration 0 unless it records one.
+A native Megatron checkpoint in `--load` is loaded by Megatron's own code.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Optional
+
+import ckpt_plugins as cp
+from ckpt_plugins.format import METADATA_FILE
+from ckpt_plugins.state import Handler, LoadItems, SaveItems
+from ckpt_plugins.storage import storage_for
+
+from .gpt import MegatronModel, MegatronOptimizer
+
+BACKEND = "bytecheckpoint"
+TRACKER = "latest_checkpointed_iteration.txt"
+RESUMED_ARGS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("ckpt_plugins")
+    group.add_argument("--ckpt-backend", choices=["native", BACKEND], default="native",
+                       help="'bytecheckpoint': save and load through ckpt_plugins (parallelism-agnostic, HF names)")
+    return parser
+
+
+def with_arguments(provider):
+    """An extra_args_provider that adds ours after `provider`'s."""
+    return lambda parser: add_arguments(provider(parser))
+
+
+class RunState(Handler):
+    """Iteration, FLOPs so far and the arguments a resume restores; the run's other plain arguments
+    are saved too, for inspection. Loads only what the checkpoint has (a foreign one has none)."""
+
+    def __init__(self, iteration: int = 0, flops: float = 0, args=None):
+        self.values: Dict[str, Any] = {"iteration": iteration, "num_floating_point_operations_so_far": flops}
+        if args is not None:
+            self.values["args"] = {k: v for k, v in sorted(vars(args).items()) if _plain(v)}
+
+    def save_items(self, prefix: str) -> SaveItems:
+        return SaveItems(objects={f"{prefix}/{k}": v for k, v in self.values.items()})
+
+    def load_items(self, prefix: str, metadata) -> LoadItems:
+        return LoadItems(objects={f"{prefix}/{k}": (lambda v, k=k: self.values.__setitem__(k, v))
+                                  for k in ("iteration", "num_floating_point_operations_so_far", "args")
+                                  if f"{prefix}/{k}" in metadata.objects})
+
+
+def _plain(value) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+class TrackerRNG(Handler):
+    """Megatron's tensor-parallel RNG tracker states (model-parallel dropout streams), per rank."""
+
+    def save_items(self, prefix: str) -> SaveItems:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        return SaveItems(per_rank={prefix: get_cuda_rng_tracker().get_states()})
+
+    def load_items(self, prefix: str, metadata) -> LoadItems:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        return LoadItems(per_rank={prefix: lambda states: get_cuda_rng_tracker().set_states(states)})
+
+
+def _real_vocab(args) -> Optional[int]:
+    """The unpadded vocabulary: rows past it (Megatron's padding) are not stored."""
+    if getattr(args, "vocab_size", None):
+        return int(args.vocab_size)
+    from megatron.training import global_vars
+    tokenizer = getattr(global_vars, "_GLOBAL_TOKENIZER", None)
+    return int(tokenizer.vocab_size) if tokenizer is not None else None
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far):
+    from megatron.training import get_args
+    args = get_args()
+    vocab = _real_vocab(args)
+    state: Dict[str, Any] = {"model": MegatronModel(model, vocab),
+                             "megatron": RunState(iteration, num_floating_point_operations_so_far, args)}
+    if optimizer is not None and not args.no_save_optim:
+        state["optim"] = MegatronOptimizer(optimizer, model, vocab)
+        if opt_param_scheduler is not None:
+            state["sched"] = opt_param_scheduler
+    if not args.no_save_rng:
+        state["rng"], state["rng_tracker"] = cp.RNGState(), TrackerRNG()
+
+    def write_tracker() -> None:  # only once the checkpoint is whole
+        storage_for(args.save).put_atomic(TRACKER, str(iteration).encode())
+
+    return cp.save(checkpoint_dir(args.save, iteration), state, async_=bool(getattr(args, "async_save", False)),
+                   framework="megatron", step=int(iteration), overwrite=True, on_commit=write_tracker,
+                   layout={"tp": _ps().get_tensor_model_parallel_world_size(),
+                           "pp": _ps().get_pipeline_model_parallel_world_size(),
+                           "dp": _ps().get_data_parallel_world_size(),
+                           "distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False))})
+
+
+def _ps():
+    from megatron.core import parallel_state
+    return parallel_state
+
+
+def resolve(load_dir: str, step: Optional[int] = None) -> Optional[str]:
+    """The checkpoint directory a load reads: `load_dir` itself when it is a ckpt_plugins
+    checkpoint, else `iter_N` for `step` or the tracker's iteration; None when there is none."""
+    if os.path.isfile(os.path.join(load_dir, METADATA_FILE)):
+        return load_dir
+    if step is None:
+        tracker = os.path.join(load_dir, TRACKER)
+        if not os.path.isfile(tracker):
+            return None
+        with open(tracker) as f:
+            text = f.read().strip()
+        if not text.isdigit():
+            raise ValueError(f"{tracker} holds {text!r}, not an iteration number")
+        step = int(text)
+    return checkpoint_dir(load_dir, step)
+
+
+def load(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True):
+    """Returns (iteration, num_floating_point_operations_so_far) as Megatron's load_checkpoint does;
+    None when `load_arg`'s directory has no ckpt_plugins checkpoint (the caller falls back)."""
+    from megatron.training import get_args, print_rank_0
+    args = get_args()
+    load_dir = getattr(args, load_arg)
+    path = resolve(load_dir, getattr(args, "ckpt_step", None)) if load_dir else None
+    if path is None:
+        return None
+    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
+        if os.path.isdir(path) and any(f.endswith(".distcp") or f.endswith(".pt") for f in os.listdir(path)):
+            return None  # a native Megatron checkpoint
+        raise cp.IncompleteCheckpointError(f"{path} has no committed ckpt_plugins checkpoint (a save that did not "
+                                           "finish?): point --load at a committed one or pass --ckpt-step")
+    vocab = _real_vocab(args)
+    full = not args.finetune
+    run = RunState()
+    state: Dict[str, Any] = {"model": MegatronModel(model, vocab), "megatron": run}
+    metadata = cp.read_metadata(path)
+    stored = {k.split("/", 1)[0] for k in list(metadata.tensors) + list(metadata.objects)}
+    if optimizer is not None and "optim" in stored:
+        state["optim"] = MegatronOptimizer(optimizer, model, vocab, optimizer_state=full and not args.no_load_optim)
+    if full and not args.no_load_optim and opt_param_scheduler is not None and "sched" in stored:
+        state["sched"] = opt_param_scheduler
+    if full and not args.no_load_rng and "rng" in stored:
+        state["rng"], state["rng_tracker"] = cp.RNGState(), TrackerRNG()
+    state.update({k: cp.Ignore() for k in stored if k not in state})
+    cp.load(path, state, strict=strict)
+    values = run.values
+    if full:
+        saved = values.get("args", {})
+        for name in RESUMED_ARGS:
+            setattr(args, name, saved.get(name, 0))
+        _update_microbatches(args.consumed_train_samples)
+    if optimizer is not None and "optim" not in state:  # weights only: masters must follow them
+        optimizer.reload_model_params()
+    print_rank_0(f"loaded ckpt_plugins checkpoint {path} at iteration {values['iteration']}")
+    return (0 if not full else int(values["iteration"])), values["num_floating_point_operations_so_far"]
+
+
+def _update_microbatches(consumed: int) -> None:
+    from megatron.core import num_microbatches_calculator as nmc
+    if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
+        nmc.update_num_microbatches(consumed_samples=consumed, verbose=True)
+
+
+def install() -> None:
+    """Route Megatron's save_checkpoint/load_checkpoint through ckpt_plugins when the run has
+    `--ckpt-backend bytecheckpoint`. Idempotent."""
+    from megatron.training import checkpointing, get_args, training
+
+    if getattr(checkpointing.save_checkpoint, "ckpt_plugins", False):
+        return
+    native_save, native_load = checkpointing.save_checkpoint, checkpointing.load_checkpoint
+
+    def ours() -> bool:
+        return getattr(get_args(), "ckpt_backend", "native") == BACKEND
+
+    def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                        *rest, **kwargs):
+        if not ours() or kwargs.get("non_persistent_ckpt"):
+            return native_save(iteration, model, optimizer, opt_param_scheduler,
+                               num_floating_point_operations_so_far, *rest, **kwargs)
+        save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
+
+    def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True, *rest, **kwargs):
+        result = load(ddp_model, optimizer, opt_param_scheduler, load_arg, strict) if ours() else None
+        if result is None:
+            return native_load(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *rest, **kwargs)
+        return result
+
+    save_checkpoint.ckpt_plugins = load_checkpoint.ckpt_plugins = True
+    for module in (checkpointing, training):  # training imported them by name
+        module.save_checkpoint, module.load_checkpoint = save_checkpoint, load_checkpoint

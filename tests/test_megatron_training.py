@@ -1,0 +1,113 @@
+"""`--ckpt-backend bytecheckpoint` in Megatron's own training code (megatron.training arguments,
+save_checkpoint/load_checkpoint, latest_checkpointed_iteration.txt) and `bcp import-megatron` of a
+native torch_dist checkpoint written by the same code."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+import ckpt_plugins as cp
+from distributed import run_ranks
+
+
+def megatron_args(tp, pp, save, *extra):
+    """Megatron's parsed and validated arguments for this rank, with our provider, set globally."""
+    import torch.distributed as dist
+    import megatron_shim
+    megatron_shim.install()
+    import megatron_ext.training as bcp
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args, validate_args
+
+    os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()), LOCAL_RANK=str(dist.get_rank()),
+                      CUDA_DEVICE_MAX_CONNECTIONS="1")
+    sys.argv = ["pretrain_gpt.py", "--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64",
+                "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+                "--seq-length", "12", "--max-position-embeddings", "12", "--micro-batch-size", "1",
+                "--global-batch-size", "4", "--lr", "0.01", "--train-iters", "10", "--save-interval", "1", "--bf16",
+                "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                "--use-distributed-optimizer", "--save", save, "--load", save, "--vocab-size", "96",
+                # the model megatron_util builds: Llama-shaped, local layer spec
+                "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--transformer-impl", "local",
+                *extra]
+    args = parse_args(extra_args_provider=bcp.add_arguments)
+    validate_args(args, {})
+    global_vars.unset_global_variables()
+    global_vars.set_args(args)
+    return args
+
+
+def hook_worker(rank, world, root, native):
+    args = megatron_args(2, 2, root, "--ckpt-backend", "bytecheckpoint")
+    import megatron_util as mu
+    import megatron_ext.training as bcp
+    from megatron.training import checkpointing, training
+
+    bcp.install()
+    mu.init_parallel(2, 2)
+    model = mu.build_gpt(0, dtype=torch.bfloat16)
+    opt = mu.build_optimizer(model)
+    sched = mu.build_scheduler(opt)
+    for step in range(2):
+        mu.train_step(model, opt, step)
+        sched.step(increment=4)
+    args.consumed_train_samples = 8
+    args.ckpt_backend, args.save = "native", native  # Megatron's own torch_dist, for the import test
+    training.save_checkpoint(2, [model], opt, sched, 123.0)
+    args.ckpt_backend, args.save = "bytecheckpoint", root
+    training.save_checkpoint(2, [model], opt, sched, 123.0)  # the name training.py calls
+    with open(os.path.join(root, bcp.TRACKER)) as f:
+        assert f.read() == "2"
+    assert cp.read_metadata(os.path.join(root, "iter_0000002")).framework == "megatron"
+    draws = torch.rand(3)
+    losses = [mu.train_step(model, opt, 2 + i) for i in range(2)]
+    mu.destroy()
+
+    # resume at TP1 × PP2 (DP2): Megatron's load_checkpoint, as pretrain() calls it
+    args = megatron_args(1, 2, root, "--ckpt-backend", "bytecheckpoint")
+    mu.init_parallel(1, 2)
+    model = mu.build_gpt(9, dtype=torch.bfloat16)
+    opt = mu.build_optimizer(model)
+    sched = mu.build_scheduler(opt)
+    assert checkpointing.load_checkpoint([model], opt, sched) == (2, 123.0)
+    assert args.consumed_train_samples == 8 and sched.num_steps == 8
+    assert torch.equal(torch.rand(3), draws)  # same rank count: each rank's generators restored
+    resumed = [mu.train_step(model, opt, 2 + i) for i in range(2)]
+    for got, want in zip(resumed, losses):
+        assert abs(got - want) <= 2e-3 * abs(want), (resumed, losses)
+
+    # --finetune: weights only, iteration 0, masters follow the weights
+    args.finetune = True
+    model = mu.build_gpt(9, dtype=torch.bfloat16)
+    opt = mu.build_optimizer(model)
+    assert checkpointing.load_checkpoint([model], opt, None) == (0, 123.0)
+    assert not any(opt.chained_optimizers[0].optimizer.state.values())
+    mu.destroy()
+
+
+def test_ckpt_backend_flag_saves_and_resumes_through_megatron_training_and_imports_native(tmp_path):
+    ours, native, imported = (str(tmp_path / d) for d in ("ours", "native", "imported"))
+    run_ranks(4, hook_worker, ours, native)
+
+    # bcp import-megatron: Megatron's own torch_dist checkpoint of the same state gives the same
+    # canonical tensors, bit for bit, as ckpt_plugins saved from the live TP2 x PP2 job
+    out = subprocess.run([sys.executable, "-m", "ckpt_plugins.cli", "import-megatron", native, imported],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "iteration 2" in out.stdout
+    from ckpt_plugins.offline import open_checkpoint, read_tensor
+    from ckpt_plugins.checkpointer import read_object
+    a_storage, a = open_checkpoint(os.path.join(ours, "iter_0000002"))
+    b_storage, b = open_checkpoint(imported)
+    trained = {k for k in a.tensors if k.split("/")[0] in ("model", "optim")}
+    assert trained == set(b.tensors) and len(trained) > 60
+    for key in sorted(trained):
+        x, y = read_tensor(a_storage, a, key), read_tensor(b_storage, b, key)
+        assert x.dtype == y.dtype and torch.equal(x, y), key
+    for key in [k for k in a.objects if k.startswith("sched/")] + ["megatron/iteration"]:
+        assert read_object(a_storage, a, key, None) == read_object(b_storage, b, key, None), key
+    groups = [read_object(s, m, "optim/param_groups", None) for s, m in ((a_storage, a), (b_storage, b))]
+    assert [sorted(g["params"]) for g in groups[0]] == [sorted(g["params"]) for g in groups[1]]
