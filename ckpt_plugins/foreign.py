@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Tuple, Union
 
 import torch
 
@@ -37,13 +37,15 @@ def _stand_in(qualname: str) -> type:
     return type(qualname.rsplit(".", 1)[-1], (StandIn,), {"qualname": qualname})
 
 
-def load_torch_inert(data: bytes, what: str) -> Any:
-    """A torch.save payload with stand-ins for every class it names (see the module docstring)."""
+def load_torch_inert(source: Union[bytes, str], what: str) -> Any:
+    """A torch.save payload (bytes, or a file's path) with stand-ins for every class it names (see
+    the module docstring)."""
+    opened = (lambda: io.BytesIO(source)) if isinstance(source, bytes) else (lambda: source)
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(opened())
         stand_ins = [(_stand_in(n), n) for n in names]
         with torch.serialization.safe_globals(stand_ins):
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return torch.load(opened(), map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CorruptCheckpointError(f"{what} cannot be read as torch data without running code from it: {exc}") from None
 

@@ -2,9 +2,9 @@
 ckpt_plugins checkpoint, in one process, without a GPU, a process group or DeepSpeed itself.
 
 DeepSpeed's files are pickles. They are read with `torch.load(weights_only=True)`, which only
-rebuilds tensors and plain containers, plus three inert stand-ins for the DeepSpeed classes its
-files name (a fragment address, the ZeRO stage enum, the loss scaler): nothing from the files is
-executed. What comes out is what deepspeed_ext would have saved from the same engine: weights by
+rebuilds tensors and plain containers, with inert stand-ins for the DeepSpeed classes its files
+name (a fragment address, the ZeRO stage enum, the loss scaler; ckpt_plugins.foreign): nothing
+from the files is executed. What comes out is what deepspeed_ext would have saved from the same engine: weights by
 canonical name (frozen ones included), fp32 masters for bf16/fp16 runs, Adam moments and step per
 parameter, param groups, LR scheduler, step counters and client state.
 """
@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ckpt_plugins.errors import CorruptCheckpointError, NotACheckpointError
+from ckpt_plugins.foreign import StandIn, load_torch_inert
 from ckpt_plugins.fragment import flat_offset, flat_range_boxes
 from ckpt_plugins.offline import LazyFragment, write_checkpoint
 from ckpt_plugins.state import MASTER, MODEL, OPTIM, DictHandler, canonical_name
@@ -30,30 +31,13 @@ DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_
            "ds_version", "checkpoint_parallel_dimensions", "iteration", "ds_zero_partition_groups"}
 
 
-class _FragmentAddress:
-    """Stand-in for deepspeed.utils.tensor_fragment.fragment_address (numel, start)."""
-
-
-class _ZeroStage(int):
-    """Stand-in for deepspeed.runtime.zero.config.ZeroStageEnum."""
-
-
-class _LossScaler:
-    """Stand-in for deepspeed.runtime.fp16.loss_scaler.LossScaler (its state is not used)."""
-
-
-_STAND_INS = [(_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
-              (_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-              (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler")]
-
-
 def safe_load(path: str) -> Any:
-    try:
-        with torch.serialization.safe_globals(_STAND_INS):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CorruptCheckpointError(f"{path} cannot be read as a DeepSpeed checkpoint file without running "
-                                     f"code from it: {exc}") from None
+    return load_torch_inert(path, f"{path} (a DeepSpeed checkpoint file)")
+
+
+def _enum_value(value) -> int:
+    """An enum member pickled by DeepSpeed (ZeroStageEnum) comes back as a stand-in holding its value."""
+    return int(value.args[0]) if isinstance(value, StandIn) else int(value)
 
 
 def _rank_files(ckpt_dir: str, pattern: str) -> List[str]:
@@ -209,7 +193,7 @@ def convert(ckpt_dir: str) -> Tuple[List[LazyFragment], Dict[str, Any], Dict[str
     objects.update({f"engine/{k}": int(model[k]) for k in ("global_steps", "global_samples", "skipped_steps")
                     if k in model})
     objects["client_state"] = {k: v for k, v in model.items() if k not in DS_KEYS}
-    layout = {"zero_stage": 3 if ck.stage3 else int(ck.optim(0).get("zero_stage", 1)), "dp_world_size": world,
+    layout = {"zero_stage": 3 if ck.stage3 else _enum_value(ck.optim(0).get("zero_stage", 1)), "dp_world_size": world,
               "dtype": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(lp_dtype, "fp32"),
               "imported_from": "deepspeed"}
     return fragments, objects, aliases, layout
