@@ -234,10 +234,14 @@ class LocalStorage(Storage):
 
 
 def storage_for(path, direct_io: bool = True) -> Storage:
-    """The backend for a path: a Storage passes through; anything else is a local directory."""
+    """The backend for a path: a Storage passes through; `file://` and plain paths are local
+    directories; any other `scheme://` goes through fsspec (s3://, gs://, hdfs://, memory://, ...)."""
     if isinstance(path, Storage):
         return path
     path = os.fspath(path)
-    if "://" in path:
-        raise ValueError(f"no storage backend for {path!r} yet: only local paths are supported")
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    elif "://" in path:
+        from .remote import FsspecStorage
+        return FsspecStorage(path)
     return LocalStorage(path, direct_io=direct_io)

@@ -1,0 +1,220 @@
+"""S3 through a real server (SeaweedFS on 127.0.0.1): multi-process saves and resharded loads, retries
+through a proxy that cuts connections mid-write, permanent errors failing at once, and credentials
+kept out of checkpoints and logs."""
+import io
+import logging
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+import ckpt_plugins as cp
+import s3_server
+from ckpt_plugins.storage import storage_for
+from distributed import free_port, run_ranks
+from hf_models import assert_same, full_state, tiny_llama, train_step
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = s3_server.start(str(tmp_path_factory.mktemp("s3")))
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        s3_server.stop(server)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def save_fsdp2(rank, world, url, ref_path, env):
+    os.environ.update(env)
+    from test_hf_fsdp1 import make
+    model, opt = make("fsdp2", 0)
+    for step in range(2):
+        train_step(model, opt, step)
+    cp.save(url, {"model": model, "optim": opt})
+    ref = full_state(model, opt)
+    if rank == 0:
+        torch.save(ref, ref_path)
+
+
+def load_plain(rank, world, url, ref_path, env):
+    os.environ.update(env)
+    from test_hf_fsdp1 import make
+    model, opt = make("ddp" if world > 1 else "plain", 1)
+    cp.load(url, {"model": model, "optim": opt})
+    assert_same(torch.load(ref_path), full_state(model, opt))
+
+
+def test_multiprocess_save_and_resharded_load_through_s3(s3, tmp_path):
+    url = "s3://ckpt/run1/step_2"
+    ref = str(tmp_path / "ref.pt")
+    run_ranks(2, save_fsdp2, url, ref, s3.env())
+    assert storage_for(url).exists("metadata.json")
+    run_ranks(1, load_plain, url, ref, s3.env())
+    run_ranks(3, load_plain, url, ref, s3.env())
+
+
+def test_credentials_never_reach_the_checkpoint_or_the_logs(s3):
+    url = "s3://ckpt/secrets/step_1"
+    logs, ours = io.StringIO(), io.StringIO()
+    handler, our_handler = logging.StreamHandler(logs), logging.StreamHandler(ours)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    logging.getLogger("ckpt_plugins").addHandler(our_handler)
+    old_level = root.level
+    root.setLevel(logging.DEBUG)
+    try:
+        cp.save(url, {"w": torch.randn(64, 64), "extra": {"note": "hello"}})
+        cp.load(url, {"w": torch.zeros(64, 64), "extra": {"note": None}})
+        with pytest.raises(ValueError) as err:  # credentials in a URL are refused, and not repeated
+            cp.load(f"s3://{s3_server.ACCESS_KEY}:{s3_server.SECRET_KEY}@ckpt/secrets/nothing", {"w": torch.zeros(1)})
+        assert "credentials in the URL are refused" in str(err.value)
+    finally:
+        root.removeHandler(handler)
+        logging.getLogger("ckpt_plugins").removeHandler(our_handler)
+        root.setLevel(old_level)
+    storage = storage_for(url)
+    blobs = [storage.read_bytes("metadata.json")] + [storage.read_bytes(f"data/{n}") for n in storage.listdir("data")]
+    for secret in (s3_server.SECRET_KEY, s3_server.ACCESS_KEY):
+        assert all(secret.encode() not in b for b in blobs)
+        assert secret not in ours.getvalue() and secret not in str(err.value)
+    # every library's DEBUG log included (botocore's shows the key id in signed headers, never the secret)
+    assert s3_server.SECRET_KEY not in logs.getvalue() and "Found credentials" in logs.getvalue()
+
+
+def test_permanent_errors_fail_at_once_with_the_storage_message(s3, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    t = time.time()
+    with pytest.raises(cp.SaveError) as err:
+        cp.save("s3://ckpt/denied/step_1", {"w": torch.randn(8)})
+    assert time.time() - t < 10  # no retry loop on a 403
+    assert "PermissionError: Forbidden" in str(err.value)  # S3's 403, as the storage said it
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.SECRET_KEY)
+    with pytest.raises(cp.NotACheckpointError):
+        cp.load("s3://no-such-bucket/x", {"w": torch.zeros(8)})
+
+
+class CuttingProxy:
+    """A TCP proxy to the S3 port that resets connections: `cuts` times once `after` bytes went
+    upstream (mid-upload), or every connection while `down`."""
+
+    def __init__(self, upstream_port: int, after: int = 0, cuts: int = 0):
+        self.upstream, self.after, self.cuts, self.down = upstream_port, after, cuts, False
+        self.sent = 0
+        self.lock = threading.Lock()
+        self.server = socket.create_server(("127.0.0.1", free_port()))
+        self.port = self.server.getsockname()[1]
+        self.conns = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            if self.down:
+                _reset(client)
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            self.conns.append((client, upstream))
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src, dst, outgoing):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if outgoing:
+                    with self.lock:
+                        self.sent += len(data)
+                        cut = self.cuts > 0 and self.sent >= self.after
+                        if cut:
+                            self.cuts -= 1
+                            self.sent = 0
+                    if cut:
+                        _reset(src)
+                        _reset(dst)
+                        return
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.server.close()
+        for pair in self.conns:
+            for s in pair:
+                _reset(s)
+
+
+def _reset(sock):
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.close()
+    except OSError:
+        pass
+
+
+def save_through(rank, world, url, env, state_seed):
+    os.environ.update(env)
+    torch.manual_seed(state_seed + rank)
+    state = {"w": torch.randn(256, 1024), "b": torch.randn(1024)}
+    try:
+        cp.save(url, state)
+        outcome = "committed"
+    except cp.SaveError as exc:
+        outcome = f"failed: {exc}"
+    with open(os.path.join(env["RESULT_DIR"], f"r{rank}"), "w") as f:
+        f.write(outcome)
+
+
+def test_connections_cut_mid_write_retry_or_fail_cleanly_never_commit_partial(s3, tmp_path):
+    # a few resets during the upload: botocore's and our retries carry the save through
+    proxy = CuttingProxy(s3.port, after=300_000, cuts=3)
+    env = {**s3.env(f"http://127.0.0.1:{proxy.port}"), "RESULT_DIR": str(tmp_path)}
+    try:
+        run_ranks(2, save_through, "s3://ckpt/faults/retried", env, 0)
+    finally:
+        proxy.close()
+    assert proxy.cuts < 3  # connections really were cut mid-upload
+    results = {open(tmp_path / f"r{r}").read() for r in range(2)}
+    if results == {"committed"}:
+        out = {"w": torch.zeros(256, 1024), "b": torch.zeros(1024)}
+        cp.load("s3://ckpt/faults/retried", out)  # checksums verified: whole and right
+        torch.manual_seed(0)
+        assert torch.equal(out["w"], torch.randn(256, 1024))
+    else:  # every rank failed, nothing committed
+        assert all(r.startswith("failed") for r in results), results
+        assert not storage_for("s3://ckpt/faults/retried").exists("metadata.json")
+
+    # the server unreachable for good mid-save: a clean failure on every rank within the bound
+    proxy = CuttingProxy(s3.port, after=100_000, cuts=10**9)
+    env = {**s3.env(f"http://127.0.0.1:{proxy.port}"), "RESULT_DIR": str(tmp_path)}
+    t = time.time()
+    try:
+        run_ranks(2, save_through, "s3://ckpt/faults/dead", env, 0)
+    finally:
+        proxy.close()
+    assert time.time() - t < 120
+    results = [open(tmp_path / f"r{r}").read() for r in range(2)]
+    assert all(r.startswith("failed") for r in results), results
+    assert not storage_for("s3://ckpt/faults/dead").exists("metadata.json")
+    with pytest.raises((cp.IncompleteCheckpointError, cp.NotACheckpointError)):
+        cp.read_metadata("s3://ckpt/faults/dead")
