@@ -26,6 +26,7 @@ from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpoi
                      MetadataError, NotACheckpointError, SaveError, UnsafePathError)
 from .fragment import sub_view
 from .format import DATA_DIR, METADATA_FILE, Metadata, ObjectMeta, decode_metadata, dtype_name
+from . import lock
 from .objects import decode_object, encode_object
 from .plan import (SavePlan, TensorSpec, WriteItem, assign_transfers, candidate_keys, place, plan_load,
                    plan_save, read_request, resolve_key)
@@ -128,15 +129,21 @@ def read_metadata(path) -> Metadata:
 
 
 def prepare_destination(storage: Storage, overwrite: bool) -> None:
-    """Make `storage` ready for a new save: refuse (or uncommit) a committed checkpoint, drop the
-    data of an earlier save that never committed, create the namespace."""
-    if storage.exists(METADATA_FILE):
-        if not overwrite:
-            raise SaveError(f"{storage} already holds a committed checkpoint; pass overwrite=True "
-                            "or save to a new path")
-        storage.remove(METADATA_FILE)  # uncommit first: a crash now leaves an incomplete save
-    storage.remove(DATA_DIR)
+    """Make `storage` ready for a new save: take the save lock (released by `lock.release` once the
+    save committed or failed), refuse (or uncommit) a committed checkpoint, drop the data of an
+    earlier save that never committed, create the namespace."""
     storage.prepare()
+    lock.acquire(storage)
+    try:
+        if storage.exists(METADATA_FILE):
+            if not overwrite:
+                raise SaveError(f"{storage} already holds a committed checkpoint; pass overwrite=True "
+                                "or save to a new path")
+            storage.remove(METADATA_FILE)  # uncommit first: a crash now leaves an incomplete save
+        storage.remove(DATA_DIR)
+    except BaseException:
+        lock.release(storage)
+        raise
 
 
 def check_files(storage: Storage, metadata: Metadata) -> None:
@@ -289,9 +296,11 @@ class Checkpointer:
         """This rank's writes. One all-reduce decides whether every rank's cached plan still holds;
         only when it does not are specs gathered and a new plan scattered."""
         key = hashlib.sha256(pickle.dumps((specs, sorted(aliases.items()), self.threads))).digest()
+        locked = False
         if coord.is_coordinator and error is None:
             try:
                 prepare_destination(storage, overwrite)
+                locked = True
             except Exception as exc:
                 error = str(exc) if isinstance(exc, SaveError) else _describe(exc)
         stale = self._cache is None or self._cache.key != key
@@ -300,6 +309,8 @@ class Checkpointer:
             coord.collectives += 1
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=coord.group)
         if flags[1]:
+            if locked:
+                lock.release(storage)
             errors = coord.all_gather(error)
             failed = [(r, e) for r, e in enumerate(errors) if e]
             raise SaveError(f"rank {failed[0][0]}: {failed[0][1]}; nothing was saved")
@@ -317,6 +328,8 @@ class Checkpointer:
                 status = [("error", _describe(exc), 0, 0.0)] * coord.world_size
         kind, writes, rank_bytes, balance = coord.scatter(status)
         if kind == "error":
+            if locked:
+                lock.release(storage)
             raise SaveError(f"planning failed: {writes}; nothing was saved")
         self._cache = _CachedPlan(key, writes, rank_bytes, plan if coord.is_coordinator else None, balance)
         return self._cache, False
@@ -355,7 +368,15 @@ class Checkpointer:
 
     def _commit(self, storage: Storage, plan: SavePlan, results, meta_extra,
                 on_commit: Optional[Callable[[], None]]) -> Tuple[Optional[str], int]:
-        """Write the metadata if every rank succeeded: (error or None, checkpoint bytes)."""
+        """Write the metadata if every rank succeeded: (error or None, checkpoint bytes). Either way
+        the save lock is released."""
+        try:
+            return self._commit_locked(storage, plan, results, meta_extra, on_commit)
+        finally:
+            lock.release(storage)
+
+    def _commit_locked(self, storage: Storage, plan: SavePlan, results, meta_extra,
+                       on_commit: Optional[Callable[[], None]]) -> Tuple[Optional[str], int]:
         failed = [(r, res[1]) for r, res in enumerate(results) if res[0] == "error"]
         if failed:
             return f"rank {failed[0][0]} failed to write: {failed[0][1]}; nothing was committed", 0

@@ -112,6 +112,26 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_list(args) -> int:
+    from .manager import CheckpointManager
+    manager = CheckpointManager(args.root, prefix=args.prefix)
+    latest = manager.latest()
+    for step in manager.steps():
+        print(f"{manager.name(step)}{'  (latest)' if step == latest else ''}")
+    for entry in manager.incomplete():
+        print(f"{entry}  INCOMPLETE (remove with: bcp cleanup {args.root})")
+    return 0
+
+
+def cmd_cleanup(args) -> int:
+    from .manager import CheckpointManager
+    removed = CheckpointManager(args.root, prefix=args.prefix).cleanup()
+    for entry in removed:
+        print(f"removed {entry} (its save never committed)")
+    print(f"{len(removed)} incomplete checkpoint(s) removed; committed ones untouched")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="bcp", description="Inspect and verify ckpt_plugins checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +143,13 @@ def main(argv=None) -> int:
     p = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
     p.add_argument("path")
     p.set_defaults(func=cmd_verify)
+    for name, func, text in (("list", cmd_list, "committed steps under a run's root, the latest, and incomplete ones"),
+                             ("cleanup", cmd_cleanup, "remove step directories whose save never committed "
+                                                      "(not those a live save is writing)")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("root", help="the run's checkpoint root (CheckpointManager's)")
+        p.add_argument("--prefix", default="step_", help="step directory prefix (default step_)")
+        p.set_defaults(func=func)
     for entry in entry_points(group="ckpt_plugins.commands"):  # framework extensions add theirs
         entry.load()(sub)
     args = parser.parse_args(argv)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+from . import lock
 from .checkpointer import check_files, prepare_destination, read_metadata
 from .engine import read_items
 from .format import DATA_DIR, METADATA_FILE, Metadata, ObjectMeta, chunk_checksums, dtype_name
@@ -54,6 +55,15 @@ def write_checkpoint(path, fragments: Sequence[LazyFragment], objects: Optional[
     obj_file = f"{DATA_DIR}/r0-objects.bin"
     placed, obj_sizes = place([len(data) for _, _, data in encoded], [obj_file])
     prepare_destination(storage, overwrite)
+    try:
+        return _write_all(storage, fragments, plan, encoded, placed, obj_sizes, obj_file, framework, layout, step,
+                          progress)
+    finally:
+        lock.release(storage)
+
+
+def _write_all(storage, fragments, plan, encoded, placed, obj_sizes, obj_file, framework, layout, step,
+               progress) -> Metadata:
     files = dict(plan.metadata.files)
     by_file: Dict[str, List] = {}
     for write, entry in zip(plan.writes[0], plan.stored[0]):

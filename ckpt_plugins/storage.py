@@ -44,6 +44,14 @@ class Storage(ABC):
     def put_atomic(self, name: str, data: bytes) -> None:
         """Write a small file so that readers see either nothing or all of it."""
 
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Create `name` holding `data` unless it exists; False when it does. Object stores have no
+        portable create-if-absent: this default checks, then writes (best effort)."""
+        if self.exists(name):
+            return False
+        self.put_atomic(name, data)
+        return True
+
     @abstractmethod
     def exists(self, name: str) -> bool: ...
 
@@ -206,6 +214,20 @@ class LocalStorage(Storage):
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        path = self.path(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
 
     def exists(self, name: str) -> bool:
         return os.path.exists(self.path(name))

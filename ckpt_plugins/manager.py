@@ -1,0 +1,108 @@
+"""CheckpointManager: the checkpoints of one run under a root directory (or object-store prefix).
+
+`root/<prefix><step>` per save; `root/latest` names the newest committed step and is updated only
+after a commit (from the commit itself, so a crash at any point leaves it naming a whole
+checkpoint); `keep_last=N` retention; listing of committed steps; cleanup of what crashed saves
+left behind, and only that.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional
+
+from . import lock
+from .api import checkpointer as default_checkpointer
+from .errors import NotACheckpointError
+from .format import METADATA_FILE
+from .storage import storage_for
+
+LATEST = "latest"
+
+
+class CheckpointManager:
+    def __init__(self, root, keep_last: Optional[int] = None, prefix: str = "step_", checkpointer=None,
+                 process_group=None):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be at least 1 (the newest committed checkpoint is always kept)")
+        self.root = str(root).rstrip("/")
+        self.storage = storage_for(self.root)
+        self.keep_last, self.prefix = keep_last, prefix
+        self.checkpointer = checkpointer or default_checkpointer(process_group)
+        self._pattern = re.compile(re.escape(prefix) + r"(\d+)")
+        self._protected: set = set()  # steps being loaded by this process: never deleted
+
+    def name(self, step: int) -> str:
+        return f"{self.prefix}{int(step)}"
+
+    def path(self, step: int) -> str:
+        return f"{self.root}/{self.name(step)}"
+
+    def _entries(self) -> Dict[int, str]:
+        found = {}
+        for entry in self.storage.listdir():
+            m = self._pattern.fullmatch(entry)
+            if m:
+                found[int(m.group(1))] = entry
+        return found
+
+    def steps(self) -> List[int]:
+        """Committed steps, oldest first."""
+        return sorted(s for s, entry in self._entries().items() if self.storage.exists(f"{entry}/{METADATA_FILE}"))
+
+    def incomplete(self) -> List[str]:
+        """Step directories whose save never committed."""
+        return sorted(entry for s, entry in self._entries().items()
+                      if not self.storage.exists(f"{entry}/{METADATA_FILE}"))
+
+    def latest(self) -> Optional[int]:
+        """The step `latest` names, when it is committed; else the newest committed step."""
+        if self.storage.exists(LATEST):
+            text = self.storage.read_bytes(LATEST).decode(errors="replace").strip()
+            if text.isdigit() and self.storage.exists(f"{self.name(int(text))}/{METADATA_FILE}"):
+                return int(text)
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: Dict[str, Any], **options):
+        """`Checkpointer.save` into `path(step)`; `latest` and retention follow its commit."""
+        def committed() -> None:
+            self.storage.put_atomic(LATEST, str(int(step)).encode())
+            self._retain(int(step))
+        return self.checkpointer.save(self.path(step), state, step=int(step), on_commit=committed, **options)
+
+    def load(self, state: Dict[str, Any], step: Optional[int] = None, **options):
+        """Load `step` (default: latest) into `state`."""
+        step = self.latest() if step is None else int(step)
+        if step is None:
+            raise NotACheckpointError(f"{self.storage} holds no committed checkpoint")
+        self._protected.add(step)
+        try:
+            return self.checkpointer.load(self.path(step), state, **options)
+        finally:
+            self._protected.discard(step)
+
+    def _retain(self, newest: int) -> None:
+        if self.keep_last is None:
+            return
+        steps = self.steps()
+        keep = set(steps[-self.keep_last:]) | {newest} | self._protected
+        for step in steps:
+            if step not in keep:
+                self.storage.remove(self.name(step))
+
+    def cleanup(self) -> List[str]:
+        """Remove what crashed saves left (step directories that never committed), except those a
+        live save is writing (its lock). Returns the removed names."""
+        removed = []
+        for entry in self.incomplete():
+            sub = storage_for(f"{self.root}/{entry}")
+            owner = lock.holder(sub)
+            if (owner is not None and lock.is_alive(owner)) or self._last_in_flight(entry):
+                continue
+            self.storage.remove(entry)
+            removed.append(entry)
+        return removed
+
+    def _last_in_flight(self, entry: str) -> bool:
+        last = getattr(self.checkpointer, "_last", None)
+        return last is not None and last.path == str(storage_for(f"{self.root}/{entry}")) and not last.done()

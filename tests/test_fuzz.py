@@ -1,0 +1,174 @@
+"""Fuzzing the metadata parser and the loader (hypothesis): random bytes, random JSON, mutated valid
+metadata, mutated data files. Only the project's own exceptions come out, and the loader never opens
+a file outside the checkpoint. Plus planted attacks: pickles that would run code, paths that leave."""
+import io
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import ckpt_plugins as cp
+from ckpt_plugins.format import decode_metadata
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12),
+                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_random_bytes_are_metadata_errors(data):
+    try:
+        decode_metadata(data)
+    except cp.MetadataError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON)
+def test_random_json_is_a_metadata_error(value):
+    with pytest.raises(cp.MetadataError):
+        decode_metadata(json.dumps(value).encode())
+
+
+def state(seed=0):
+    torch.manual_seed(seed)
+    return {"model": nn.Sequential(nn.Linear(6, 40), nn.Linear(40, 3)), "extra": {"step": 3, "t": torch.arange(5)}}
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory):
+    path = tmp_path_factory.mktemp("valid") / "ckpt"
+    cp.save(path, state(0))
+    return path
+
+
+class FileAudit:
+    """Records every file this process opens while active (an audit hook cannot be removed, so it
+    stays installed and is switched on and off)."""
+    active, inside, escapes = False, "", []
+
+    @classmethod
+    def install(cls):
+        if not getattr(sys, "_ckpt_fuzz_audit", False):
+            sys.addaudithook(cls.hook)
+            sys._ckpt_fuzz_audit = True
+
+    @classmethod
+    def hook(cls, event, args):
+        if cls.active and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            path = os.path.realpath(os.fsdecode(args[0]))
+            if not path.startswith(cls.inside) and not path.startswith((sys.prefix, sys.base_prefix, "/proc", "/dev")):
+                cls.escapes.append(path)
+
+
+def mutate(value, path, replacement):
+    """`value` with the element at `path` (a list of keys/indices) replaced."""
+    if not path:
+        return replacement
+    head, *rest = path
+    if isinstance(value, dict):
+        return {k: (mutate(v, rest, replacement) if k == head else v) for k, v in value.items()}
+    return [mutate(v, rest, replacement) if i == head else v for i, v in enumerate(value)]
+
+
+def paths(value, prefix=()):
+    yield list(prefix)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from paths(v, prefix + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from paths(v, prefix + (i,))
+
+
+def load_outcome(path):
+    """Load into a fresh state: returns "ok" (then the values must be the saved ones) or the error."""
+    target = state(1)
+    FileAudit.inside, FileAudit.active = os.path.realpath(path), True
+    try:
+        cp.load(path, target)
+    except cp.CheckpointError as exc:
+        return type(exc).__name__
+    finally:
+        FileAudit.active = False
+    ref = state(0)
+    for a, b in zip(ref["model"].state_dict().values(), target["model"].state_dict().values()):
+        assert torch.equal(a, b)
+    return "ok"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_metadata_loads_right_or_fails_with_our_errors_inside_the_checkpoint(valid, tmp_path, data):
+    FileAudit.install()
+    work = tmp_path / "m"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(valid, work)
+    raw = json.loads((work / "metadata.json").read_text())
+    where = data.draw(st.sampled_from(list(paths(raw))))
+    replacement = data.draw(JSON | st.sampled_from(["../../etc/passwd", "/etc/passwd", "data/../../x", -1, 2**40,
+                                                     "torch", "json", "float64", [0, 0], "model/0.weight"]))
+    (work / "metadata.json").write_text(json.dumps(mutate(raw, where, replacement)))
+    FileAudit.escapes = []
+    load_outcome(work)
+    assert FileAudit.escapes == [], FileAudit.escapes
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_data_files_load_right_or_fail_as_corrupt(valid, tmp_path, data):
+    work = tmp_path / "d"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(valid, work)
+    files = sorted(p for p in (work / "data").iterdir())
+    target = data.draw(st.sampled_from(files))
+    blob = bytearray(target.read_bytes())
+    kind = data.draw(st.sampled_from(["flip", "truncate", "extend"]))
+    if kind == "flip" and blob:
+        i = data.draw(st.integers(0, len(blob) - 1))
+        blob[i] ^= data.draw(st.integers(1, 255))
+    elif kind == "truncate":
+        blob = blob[:data.draw(st.integers(0, max(0, len(blob) - 1)))]
+    else:
+        blob += b"\0" * data.draw(st.integers(1, 100))
+    target.write_bytes(bytes(blob))
+    assert load_outcome(work) in ("ok", "CorruptCheckpointError")
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_never_runs(valid, tmp_path):
+    """An object entry whose torch bytes carry a pickle calling os.system: weights_only refuses it."""
+    work = tmp_path / "attack"
+    shutil.copytree(valid, work)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    buf = io.BytesIO()
+    torch.save({"x": Evil()}, buf)
+    payload = buf.getvalue()
+    raw = json.loads((work / "metadata.json").read_text())
+    entry = raw["objects"]["extra/step"][0]
+    data_file = work / entry["file"]
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(payload)
+    from ckpt_plugins.format import chunk_checksums
+    entry.update(offset=offset, nbytes=len(payload), encoding="torch",
+                 crc32c=chunk_checksums(payload, raw["chunk_bytes"]) if "chunk_bytes" in raw else chunk_checksums(payload))
+    raw["files"][entry["file"]] = offset + len(payload)
+    (work / "metadata.json").write_text(json.dumps(raw))
+    with pytest.raises(cp.CorruptCheckpointError, match="extra/step"):
+        cp.load(work, state(1))
+    assert not marker.exists()
+    raw["objects"]["extra/step"][0]["encoding"] = "pickle"  # an encoding we never read
+    (work / "metadata.json").write_text(json.dumps(raw))
+    with pytest.raises(cp.MetadataError):
+        cp.load(work, state(1))
