@@ -32,12 +32,15 @@ class CheckpointManager:
         self._protected: set = set()  # steps being loaded by this process: never deleted
 
     def name(self, step: int) -> str:
-        return f"{self.prefix}{int(step)}"
+        """The step's directory: an existing one (e.g. Megatron's zero-padded iter_0001000), else
+        `<prefix><step>`."""
+        return self.entries().get(int(step), f"{self.prefix}{int(step)}")
 
     def path(self, step: int) -> str:
         return f"{self.root}/{self.name(step)}"
 
-    def _entries(self) -> Dict[int, str]:
+    def entries(self) -> Dict[int, str]:
+        """Every step directory under the root (committed or not), by step."""
         found = {}
         for entry in self.storage.listdir():
             m = self._pattern.fullmatch(entry)
@@ -47,11 +50,11 @@ class CheckpointManager:
 
     def steps(self) -> List[int]:
         """Committed steps, oldest first."""
-        return sorted(s for s, entry in self._entries().items() if self.storage.exists(f"{entry}/{METADATA_FILE}"))
+        return sorted(s for s, entry in self.entries().items() if self.storage.exists(f"{entry}/{METADATA_FILE}"))
 
     def incomplete(self) -> List[str]:
         """Step directories whose save never committed."""
-        return sorted(entry for s, entry in self._entries().items()
+        return sorted(entry for s, entry in self.entries().items()
                       if not self.storage.exists(f"{entry}/{METADATA_FILE}"))
 
     def latest(self) -> Optional[int]:

@@ -126,6 +126,9 @@ class Hooks:
         if result.missing_keys and not load_module_strict:
             log.warning("%s: %d key(s) not in the checkpoint were left as they were: %s", path,
                         len(result.missing_keys), ", ".join(result.missing_keys[:5]))
+        if result.unexpected_keys and not load_module_strict:  # another framework's state, e.g. Megatron's
+            log.warning("%s: %d key(s) of the checkpoint have no place in this engine and were not loaded: %s",
+                        path, len(result.unexpected_keys), ", ".join(result.unexpected_keys[:5]))
         return path, client.value or {}
 
 

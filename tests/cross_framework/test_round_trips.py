@@ -130,3 +130,13 @@ def test_every_ordered_pair_round_trips_bit_for_bit(tmp_path):
         back = LlamaForCausalLM.from_pretrained(export)
         for (k, a), b in zip(hf.state_dict().items(), back.state_dict().values()):
             assert torch.equal(a, b), (dest, k)
+
+    # another size or architecture: the first differing tensor and both shapes, or the keys, are named
+    from transformers import LlamaConfig
+    wider = LlamaForCausalLM(LlamaConfig(**{**hf.config.to_dict(), "hidden_size": 48, "head_dim": 12}))
+    with pytest.raises(cp.LoadMismatchError, match=r"model/[\w.]+: checkpoint holds shape \[\d+, \d+\], the model "
+                                                   r"wants \[\d+, \d+\]"):
+        cp.load(os.path.join(root, "megatron_tp2pp2"), {"model": wider, "optim": cp.Ignore()})
+    shallower = LlamaForCausalLM(LlamaConfig(**{**hf.config.to_dict(), "num_hidden_layers": 2}))
+    with pytest.raises(cp.LoadMismatchError, match=r"in the checkpoint but not in the state: model/model\.layers\.2\."):
+        cp.load(os.path.join(root, "ds_zero3"), {"model": shallower, "optim": cp.Ignore(), "sched": cp.Ignore()})
