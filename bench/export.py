@@ -25,17 +25,7 @@ import numpy as np
 import torch
 
 import ckpt_plugins as cp
-
-
-def drop_cache(path: str) -> None:
-    for root, _, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(root, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+from save_load import drop_cache  # bench/ is the script's directory
 
 
 def weights(gib: float) -> dict:

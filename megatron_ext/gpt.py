@@ -205,8 +205,7 @@ class MegatronOptimizer(Handler):
             cached = {}
             for rank_groups in everyone:
                 for kind, names in rank_groups:
-                    cached.setdefault(kind, dict.fromkeys([]))
-                    cached[kind].update(dict.fromkeys(names))
+                    cached.setdefault(kind, {}).update(dict.fromkeys(names))  # ordered union
             self.inner._ckpt_plugins_group_names = cached
         return [{**g, "params": list(cached[tuple(g.get(k) for k in _GROUP_KIND)])} for g in groups]
 
