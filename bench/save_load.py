@@ -458,7 +458,7 @@ def report(args, results, resharded) -> None:
             vs_limit = f" / limit {r[k] / limit[k]:.2f}" if not math.isnan(limit[k]) else ""
             parts.append(f"{k} {r[k] / best[k]:.2f}{vs_limit}" if best[k] > 0 else f"{k} n/a")
         print(f"  {name:<14} " + ", ".join(parts))
-    print(f"\nbest peer per column: " + ", ".join(
+    print("\nbest peer per column: " + ", ".join(
         f"{k} {min(peers, key=lambda p: rows[p][k])}" for k in ("stall", "loop", "commit", "load", "reshard")))
 
 

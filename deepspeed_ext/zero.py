@@ -14,7 +14,7 @@ per flat partition, so they are stored per canonical parameter like every other 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist

@@ -11,7 +11,7 @@ Every rank describes what it holds, from Megatron's own bookkeeping, as views; n
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist

@@ -1,7 +1,6 @@
 """`--ckpt-backend bytecheckpoint` in Megatron's own training code (megatron.training arguments,
 save_checkpoint/load_checkpoint, latest_checkpointed_iteration.txt) and `bcp import-megatron` of a
 native torch_dist checkpoint written by the same code."""
-import json
 import os
 import subprocess
 import sys

@@ -15,7 +15,7 @@ import ckpt_plugins as cp
 import s3_server
 from ckpt_plugins.storage import storage_for
 from distributed import free_port, run_ranks
-from hf_models import assert_same, full_state, tiny_llama, train_step
+from hf_models import assert_same, full_state, train_step
 
 
 @pytest.fixture(scope="module")

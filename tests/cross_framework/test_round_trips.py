@@ -14,33 +14,12 @@ import pytest
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.offline import open_checkpoint, read_tensor
-from ckpt_plugins.state import root_handler
+from checkpoint_compare import assert_matches
 from distributed import run_ranks
 from endpoints import TORCH_SCHEDULER, WORLD, build, close, llama
 
 NAMES = list(WORLD)
 BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
-
-
-def assert_matches(path, state, weights_only=False):
-    """Every weight and optimizer tensor `state` holds equals the checkpoint's, bit for bit."""
-    storage, metadata = open_checkpoint(path)
-    items = root_handler({k: v for k, v in state.items() if k in ("model", "optim")}).save_items("")
-    cache, checked = {}, 0
-    for frag in items.fragments:
-        if weights_only and not frag.key.startswith("model/"):
-            continue
-        key = metadata.aliases.get(frag.key, frag.key)
-        assert key in metadata.tensors, f"{frag.key} is not in {path}"
-        if key not in cache:
-            cache = {key: read_tensor(storage, metadata, key)}  # one at a time
-        want = cache[key]
-        for d, (o, n) in enumerate(zip(frag.offsets, frag.local.shape)):
-            want = want.narrow(d, o, n)
-        assert frag.local.dtype == want.dtype and torch.equal(frag.local, want), (path, frag.key, frag.offsets)
-        checked += 1
-    assert checked > 0
 
 
 def load(endpoint, path, source):
