@@ -26,7 +26,7 @@ from ckpt_plugins.state import MASTER, MODEL, OPTIM
 
 from .gpt import _pieces
 from .llama import Dims, hf_segments
-from .training import TRACKER, checkpoint_dir
+from .training import checkpoint_dir, tracked_iteration
 
 DCP_METADATA = ".metadata"
 ALIGN = 64  # the distributed optimizer's parameter alignment in its buffers (elements)
@@ -243,14 +243,10 @@ def _optimizer_fragments(ck: DcpCheckpoint, args, dims: Dims, padded_vocab: int,
 
 def resolve(directory: str) -> str:
     """An iteration directory, or the save directory with Megatron's tracker file."""
-    tracker = os.path.join(directory, TRACKER)
-    if os.path.isfile(tracker) and not os.path.isfile(os.path.join(directory, DCP_METADATA)):
-        with open(tracker) as f:
-            text = f.read().strip()
-        if not text.isdigit():
-            raise NotACheckpointError(f"{tracker} names {text!r}, not an iteration")
-        return checkpoint_dir(directory, int(text))
-    return directory
+    if os.path.isfile(os.path.join(directory, DCP_METADATA)):
+        return directory
+    iteration = tracked_iteration(directory)
+    return directory if iteration is None else checkpoint_dir(directory, iteration)
 
 
 def import_megatron(directory: str, path, *, weights_only: bool = False, overwrite: bool = False, progress=None):

@@ -133,16 +133,20 @@ def resolve(load_dir: str, step: Optional[int] = None) -> Optional[str]:
     checkpoint, else `iter_N` for `step` or the tracker's iteration; None when there is none."""
     if os.path.isfile(os.path.join(load_dir, METADATA_FILE)):
         return load_dir
-    if step is None:
-        tracker = os.path.join(load_dir, TRACKER)
-        if not os.path.isfile(tracker):
-            return None
-        with open(tracker) as f:
-            text = f.read().strip()
-        if not text.isdigit():
-            raise ValueError(f"{tracker} holds {text!r}, not an iteration number")
-        step = int(text)
-    return checkpoint_dir(load_dir, step)
+    step = tracked_iteration(load_dir) if step is None else step
+    return None if step is None else checkpoint_dir(load_dir, step)
+
+
+def tracked_iteration(save_dir: str) -> Optional[int]:
+    """The iteration Megatron's tracker file in `save_dir` names; None without one."""
+    tracker = os.path.join(save_dir, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise cp.NotACheckpointError(f"{tracker} holds {text!r}, not an iteration number")
+    return int(text)
 
 
 def load(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True):
