@@ -260,7 +260,7 @@ class Checkpointer:
             t = time.perf_counter()
             try:
                 slot.append(self.pool.acquire(job.nbytes, pin=pin))  # may wait for an earlier save's slot
-                job.snapshot(slot[0].buffer)
+                job.snapshot(slot[0].buffer, threads=torch.get_num_threads())
             except BaseException as exc:
                 job.fail(exc)
                 log.error("snapshot for %s failed: %s", storage, _describe(exc))

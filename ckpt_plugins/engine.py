@@ -8,10 +8,12 @@ pieces as soon as they are staged and checksumming each item once it is complete
 """
 from __future__ import annotations
 
+import ctypes
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -23,6 +25,7 @@ from .staging import align_up
 from .storage import Storage
 
 PIECE = 8 << 20  # bytes per write call: big enough for the disk, small enough to pipeline
+COPY_PIECE = 4 << 20  # bytes per snapshot copy: threads share big tensors, writers follow early
 READ_PIECE = 8 << 20  # a big stored range is read as pieces of this size in parallel
 
 
@@ -57,8 +60,14 @@ class StagedWrite:
         self._failed: Optional[BaseException] = None
         self._cond = threading.Condition()
 
-    def snapshot(self, buffer: torch.Tensor) -> None:
-        """Copy every item into `buffer` (>= self.nbytes). Afterwards the sources may change."""
+    def snapshot(self, buffer: torch.Tensor, threads: int = 1) -> None:
+        """Copy every item into `buffer` (>= self.nbytes). Afterwards the sources may change.
+
+        Contiguous host tensors are copied as byte pieces by `threads` threads with memmove (the
+        GIL released): one `copy_` per tensor forks and joins torch's thread pool every time, which
+        ranks sharing few cores turned into a 1.5-2.5x slower snapshot here. Other sources (device
+        tensors, strided views, encoded objects) are copied by this thread, in order.
+        """
         self.buffer = buffer
         try:
             by_file = {name: sorted((i for i in self.items if i.file == name), key=lambda i: i.offset)
@@ -66,27 +75,58 @@ class StagedWrite:
             # round-robin over files so every writer gets data early
             order = [i for group in zip(*[_padded(v, max(map(len, by_file.values()), default=0))
                                           for v in by_file.values()]) for i in group if i is not None]
-            synchronize = False
-            for item in order:
-                start = self.base[item.file] + item.offset
-                dest = buffer[start:start + item.nbytes]
-                if isinstance(item.source, torch.Tensor):
-                    src = item.source.detach()
-                    synchronize |= src.device.type != "cpu"
-                    dest.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
-                else:
-                    memoryview(dest.numpy())[:] = item.source
-                if synchronize:
-                    torch.cuda.synchronize()
-                with self._cond:
-                    self._ready[item.file] = item.offset + item.nbytes
-                    self._cond.notify_all()
+            pieces = [p for item in order for p in self._pieces(item, buffer)]
+            progress = _Progress(self, pieces)
+            own = [i for i, p in enumerate(pieces) if p.host is None]
+            shared = iter([i for i, p in enumerate(pieces) if p.host is not None])
+            take, errors = threading.Lock(), []
+
+            def copy_shared() -> None:
+                try:
+                    while not errors:
+                        with take:
+                            index = next(shared, None)
+                        if index is None:
+                            return
+                        pieces[index].run()
+                        progress.done(index)
+                except BaseException as exc:
+                    errors.append(exc)
+
+            helpers = [threading.Thread(target=copy_shared, name="ckpt-snapshot-copy", daemon=True)
+                       for _ in range(max(0, threads - 1))]
+            for t in helpers:
+                t.start()
+            try:
+                for index in own:
+                    pieces[index].run()
+                    progress.done(index)
+                copy_shared()
+            finally:
+                for t in helpers:
+                    t.join()
+            if errors:
+                raise errors[0]
             with self._cond:  # alignment gaps after the last item count as staged too
                 self._ready = dict(self.sizes)
                 self._cond.notify_all()
         except BaseException as exc:
             self.fail(exc)
             raise
+
+    def _pieces(self, item: StageItem, buffer: torch.Tensor) -> List["_Piece"]:
+        start = self.base[item.file] + item.offset
+        dest = buffer[start:start + item.nbytes]
+        src = item.source
+        if not isinstance(src, torch.Tensor):
+            return [_Piece(item.file, item.offset + item.nbytes, dest, src)]
+        src = src.detach()
+        if (src.device.type != "cpu" or dest.device.type != "cpu" or not src.is_contiguous()
+                or src.is_conj() or src.is_neg() or not item.nbytes):
+            return [_Piece(item.file, item.offset + item.nbytes, dest, src)]
+        return [_Piece(item.file, item.offset + min(item.nbytes, at + COPY_PIECE), dest, src,
+                       host=(dest.data_ptr() + at, src.data_ptr() + at, min(COPY_PIECE, item.nbytes - at)))
+                for at in range(0, item.nbytes, COPY_PIECE)]
 
     def fail(self, exc: BaseException) -> None:
         """Stop the writers: the snapshot cannot complete."""
@@ -123,6 +163,48 @@ class StagedWrite:
                     checksums[index] = chunk_checksums(_bytes(self.buffer[start:start + self.items[index].nbytes]))
         finally:
             writer.close()
+
+
+@dataclass
+class _Piece:
+    """A part of the snapshot: bytes of one item, ending at `end` in its file."""
+    file: str
+    end: int
+    dest: torch.Tensor
+    source: Union[torch.Tensor, bytes]
+    host: Optional[Tuple[int, int, int]] = None  # (dest, src, nbytes) for a plain memmove
+
+    def run(self) -> None:
+        if self.host is not None:
+            ctypes.memmove(*self.host)
+        elif isinstance(self.source, torch.Tensor):
+            src = self.source
+            self.dest.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+            if src.device.type != "cpu":
+                torch.cuda.synchronize()
+        else:
+            memoryview(self.dest.numpy())[:] = self.source
+
+
+class _Progress:
+    """Advances each file's staged prefix as pieces finish, in any order."""
+
+    def __init__(self, job: "StagedWrite", pieces: Sequence[_Piece]):
+        self.job, self.pieces = job, pieces
+        self.left = {name: deque(i for i, p in enumerate(pieces) if p.file == name) for name in job.sizes}
+        self.finished: set = set()
+
+    def done(self, index: int) -> None:
+        job = self.job
+        with job._cond:
+            self.finished.add(index)
+            name = self.pieces[index].file
+            queue, moved = self.left[name], False
+            while queue and queue[0] in self.finished:
+                job._ready[name] = self.pieces[queue.popleft()].end
+                moved = True
+            if moved:
+                job._cond.notify_all()
 
 
 def _padded(values: list, n: int) -> list:

@@ -222,9 +222,8 @@ class LocalStorage(Storage):
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        try:
+        try:  # no fsync: O_EXCL decides who holds it, and a lock need not outlive a crash
             os.write(fd, data)
-            os.fsync(fd)
         finally:
             os.close(fd)
         return True

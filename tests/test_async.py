@@ -46,7 +46,7 @@ def test_overlapped_save_returns_before_the_snapshot(tmp_path, monkeypatch):
     from ckpt_plugins.engine import StagedWrite
     gate = threading.Event()
     original = StagedWrite.snapshot
-    monkeypatch.setattr(StagedWrite, "snapshot", lambda self, buf: (gate.wait(), original(self, buf)))
+    monkeypatch.setattr(StagedWrite, "snapshot", lambda self, buf, **kw: (gate.wait(), original(self, buf, **kw)))
     model = make()
     before = values(model)
     handle = cp.Checkpointer().save(tmp_path / "o", {"model": model}, overlap=True)
@@ -58,6 +58,40 @@ def test_overlapped_save_returns_before_the_snapshot(tmp_path, monkeypatch):
             p.mul_(-1.0)
     handle.wait()
     assert_loads_as(tmp_path / "o", before)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, monkeypatch):
+    """Host tensors go as memmove pieces on several threads, the rest on the caller's thread; the
+    files hold each item's bytes at its offset whatever order the pieces finish in."""
+    from ckpt_plugins import engine
+    from ckpt_plugins.staging import StagingPool
+    monkeypatch.setattr(engine, "COPY_PIECE", 4096)  # many pieces per tensor, finishing out of order
+    run = engine._Piece.run
+    monkeypatch.setattr(engine._Piece, "run", lambda self: (time.sleep(0.002), run(self)))  # writers wait on it
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(5000, generator=g),                      # contiguous, several pieces
+               torch.randn(40, 30, generator=g).t(),                # strided: copied by copy_
+               torch.randn(3000, generator=g).to(torch.bfloat16),
+               torch.randn(8, 8, generator=g)[2:5],                 # a contiguous view with an offset
+               torch.empty(0),
+               b"encoded object bytes"]
+    items, offsets = [], {"d/r0-0.bin": 0, "d/r0-1.bin": 0}
+    for i, src in enumerate(sources):
+        name = f"d/r0-{i % 2}.bin"
+        items.append(engine.StageItem(name, offsets[name], src))
+        offsets[name] += items[-1].nbytes + 64  # a gap, as alignment leaves
+    storage = LocalStorage(str(tmp_path))
+    job = engine.StagedWrite(storage, items)
+    slot = StagingPool().acquire(job.nbytes)
+    writer = threading.Thread(target=job.write, args=(2,))
+    writer.start()  # the writers follow the snapshot's progress
+    job.snapshot(slot.buffer, threads=threads)
+    writer.join()
+    for item, src in zip(items, sources):
+        data = (tmp_path / item.file).read_bytes()[item.offset:item.offset + item.nbytes]
+        expected = src if isinstance(src, bytes) else src.contiguous().view(torch.uint8).numpy().tobytes()
+        assert data == expected
 
 
 def test_saves_commit_in_order_and_staging_is_reused(tmp_path):
