@@ -11,7 +11,7 @@ wall time of a training loop that saves every k steps (minus the same loop witho
 method that returns early but makes the next step wait pays for it. Every load is checked bit for
 bit. Each checkpoint is deleted after use.
 
-Run: .venv/bin/python bench/save_load.py            (about 10-15 minutes here)
+Run: .venv/bin/python bench/save_load.py            (about 35 minutes here)
      .venv/bin/python bench/save_load.py --params-m 8 --reps 1   (a quick smoke run)
 """
 from __future__ import annotations
@@ -211,17 +211,19 @@ def barrier() -> None:
         dist.barrier()
 
 
-def write_limits(root: str, nbytes: int) -> dict:
-    """This rank's memcpy into touched memory and O_DIRECT write + fsync of `nbytes` (the file stays
-    for read_limit)."""
+def memcpy_limit(nbytes: int) -> float:
+    """This rank's `copy_` of `nbytes` into already-touched memory (every rank at once)."""
     src = torch.randn(nbytes // 4)
     dst = torch.zeros_like(src)
     dst.copy_(src)  # touched
     barrier()
     t = time.perf_counter()
     dst.copy_(src)
-    memcpy = time.perf_counter() - t
-    del src, dst
+    return time.perf_counter() - t
+
+
+def write_limit(root: str, nbytes: int) -> float:
+    """This rank's O_DIRECT write + fsync of `nbytes` (the file stays for read_limit)."""
     raw = torch.empty(nbytes + 8192, dtype=torch.uint8)
     off = (-raw.data_ptr()) % 4096
     view = memoryview(raw[off:off + nbytes // 4096 * 4096].fill_(7).numpy())
@@ -232,11 +234,11 @@ def write_limits(root: str, nbytes: int) -> dict:
         os.write(fd, view[i:i + (8 << 20)])
     os.fsync(fd)
     os.close(fd)
-    return {"memcpy": memcpy, "write": time.perf_counter() - t}
+    return time.perf_counter() - t
 
 
 def read_limit(root: str) -> float:
-    """Cold sequential read of write_limits' file into touched memory, 8 MiB per call, as the loads
+    """Cold sequential read of write_limit's file into touched memory, 8 MiB per call, as the loads
     read their checkpoints: evicted from the page cache, first read since it was written."""
     path = limit_file(root)
     dest = torch.ones(os.path.getsize(path), dtype=torch.uint8)
@@ -265,7 +267,7 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
     methods = Methods(world)
     reference = local_state(model, opt)
     rank_bytes = sum(t.numel() * t.element_size() for t in reference.values())
-    results = {"rank_bytes": rank_bytes, "limits": [], "methods": {}}
+    results = {"rank_bytes": rank_bytes, "limits": {"memcpy": [], "write": [], "read": []}, "methods": {}}
     if rank == 0 and methods.bcp is None:
         results["bytecheckpoint_error"] = methods.bcp_error
 
@@ -276,13 +278,16 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
 
     available = [m for m in METHODS if methods.available(m)]
     for rep in range(args.reps):
-        limits = write_limits(root, rank_bytes)
         # Saves first, every method in turn; then the loads, so no load reads a file its save wrote
         # an instant before (this disk reads fresh data slower), in an order that rotates each rep.
         for name in available:
             res = results["methods"].setdefault(name, {"stall": [], "commit": [], "load": [], "loop": [],
                                                       "bytes": 0, "ok": True})
             path = os.path.join(root, f"{name}_{rep}")
+            # this machine's memory and disk speeds drift by up to 2x within minutes: the limits are
+            # sampled right before every save, and their medians are the limits
+            results["limits"]["memcpy"].append(slowest(memcpy_limit(rank_bytes)))
+            results["limits"]["write"].append(slowest(write_limit(root, rank_bytes)))
             dist.barrier()
             t0 = time.perf_counter()
             pending = methods.save(name, path, model, opt)
@@ -294,8 +299,7 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
             res["commit"].append(slowest(commit))
             if rank == 0:
                 res["bytes"] = dir_bytes(path)
-        limits["read"] = read_limit(root)
-        results["limits"].append({k: slowest(v) for k, v in limits.items()})
+        results["limits"]["read"].append(slowest(read_limit(root)))
         for name in available[rep % len(available):] + available[:rep % len(available)]:
             res = results["methods"][name]
             path = os.path.join(root, f"{name}_{rep}")
@@ -364,16 +368,20 @@ def full_reference(model, opt):
 
 
 def resharded_loads(args, root: str, methods_run) -> dict:
-    """Load each method's last checkpoint into one plain process (2 ranks -> 1)."""
+    """Load each method's last checkpoint into one plain process (2 ranks -> 1), repetition by
+    repetition, each repetition after its own measurement of one process's cold read limit (this
+    disk's speed drifts by 2x within minutes: a limit measured once would be a different disk)."""
     reference = torch.load(os.path.join(root, "reference.pt"))
     methods = Methods(1)
     total = sum(t.numel() * t.element_size() for t in reference.values())
-    write_limits(root, total)
-    out = {"_read_limit": read_limit(root)}  # one process reading every rank's bytes
-    for name in methods_run:
-        path = os.path.join(root, f"{name}_{args.reps - 1}")
-        times, ok = [], True
-        for _ in range(args.reps):
+    out = {"_read_limit": [], **{name: {"load": [], "ok": True} for name in methods_run}}
+    for rep in range(args.reps):
+        write_limit(root, total)
+        out["_read_limit"].append(read_limit(root))  # one process reading every rank's bytes
+        for name in methods_run:
+            if "error" in out[name]:
+                continue
+            path = os.path.join(root, f"{name}_{args.reps - 1}")
             drop_cache(path)
             model, opt = build(args.layers, fsdp=False)
             t0 = time.perf_counter()
@@ -381,16 +389,16 @@ def resharded_loads(args, root: str, methods_run) -> dict:
                 methods.load(name, path, model, opt)
             except Exception as exc:
                 out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-                break
-            times.append(time.perf_counter() - t0)
+                continue
+            out[name]["load"].append(time.perf_counter() - t0)
             got = {f"p/{n}": p.detach() for n, p in model.named_parameters()}
             for n, p in model.named_parameters():
                 got.update({f"o/{n}/{k}": v for k, v in opt.state[p].items()})
-            ok &= same(got, reference)
+            out[name]["ok"] &= same(got, reference)
             del model, opt
-        else:
-            out[name] = {"load": times, "ok": ok}
-        shutil.rmtree(path, ignore_errors=True)
+    for name in methods_run:
+        shutil.rmtree(os.path.join(root, f"{name}_{args.reps - 1}"), ignore_errors=True)
+    out["_read_limit"] = statistics.median(out["_read_limit"])
     return out
 
 
@@ -422,7 +430,7 @@ def report(args, results, resharded) -> None:
     med = statistics.median
     rank_bytes = results["rank_bytes"]
     total = 2 * rank_bytes
-    lim = {k: med(l[k] for l in results["limits"]) for k in results["limits"][0]}
+    lim = {k: med(v) for k, v in results["limits"].items()}
     print(f"\nFSDP2, 2 processes (gloo, CPU), {args.layers} x Linear({WIDTH},{WIDTH}) + AdamW: "
           f"{total / 2**30:.2f} GiB of state ({rank_bytes / 2**20:.0f} MiB per rank); medians of {args.reps}")
     print(f"machine limits for one rank's bytes: memcpy {lim['memcpy']:.3f} s "
