@@ -202,57 +202,58 @@ class Methods:
 # ------------------------------------------------------------------ machine limits
 
 
-def limit_file(root: str) -> str:
-    return os.path.join(root, f"limit_{dist.get_rank() if dist.is_initialized() else 'single'}.bin")
-
-
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-def memcpy_limit(nbytes: int) -> float:
-    """This rank's `copy_` of `nbytes` into already-touched memory (every rank at once)."""
-    src = torch.randn(nbytes // 4)
-    dst = torch.zeros_like(src)
-    dst.copy_(src)  # touched
-    barrier()
-    t = time.perf_counter()
-    dst.copy_(src)
-    return time.perf_counter() - t
+class Limits:
+    """The machine's limits for this rank's `nbytes`, in the checkpoint's directory. The buffers are
+    allocated and touched once: sampling allocates nothing (freeing a GiB just before a save
+    slowed that save here), and the speeds drift by up to 2x within minutes, so they are sampled
+    around the saves and loads they bound and their medians reported."""
 
+    def __init__(self, root: str, nbytes: int):
+        self.path = os.path.join(root, f"limit_{dist.get_rank() if dist.is_initialized() else 'single'}.bin")
+        self.src = torch.randn(nbytes // 4)
+        self.dst = torch.zeros_like(self.src)
+        self.dst.copy_(self.src)
+        raw = torch.empty(nbytes + 8192, dtype=torch.uint8)
+        off = (-raw.data_ptr()) % 4096
+        self.aligned = memoryview(raw[off:off + nbytes // 4096 * 4096].fill_(7).numpy())
+        self.raw = raw
 
-def write_limit(root: str, nbytes: int) -> float:
-    """This rank's O_DIRECT write + fsync of `nbytes` (the file stays for read_limit)."""
-    raw = torch.empty(nbytes + 8192, dtype=torch.uint8)
-    off = (-raw.data_ptr()) % 4096
-    view = memoryview(raw[off:off + nbytes // 4096 * 4096].fill_(7).numpy())
-    barrier()
-    t = time.perf_counter()
-    fd = os.open(limit_file(root), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
-    for i in range(0, len(view), 8 << 20):
-        os.write(fd, view[i:i + (8 << 20)])
-    os.fsync(fd)
-    os.close(fd)
-    return time.perf_counter() - t
+    def memcpy(self) -> float:
+        """`copy_` of the bytes into already-touched memory (every rank at once)."""
+        barrier()
+        t = time.perf_counter()
+        self.dst.copy_(self.src)
+        return time.perf_counter() - t
 
+    def write(self) -> float:
+        """Sequential O_DIRECT write + fsync, 8 MiB per call (the file stays for `read`)."""
+        barrier()
+        t = time.perf_counter()
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+        for i in range(0, len(self.aligned), 8 << 20):
+            os.write(fd, self.aligned[i:i + (8 << 20)])
+        os.fsync(fd)
+        os.close(fd)
+        return time.perf_counter() - t
 
-def read_limit(root: str) -> float:
-    """Cold sequential read of write_limit's file into touched memory, 8 MiB per call, as the loads
-    read their checkpoints: evicted from the page cache, first read since it was written."""
-    path = limit_file(root)
-    dest = torch.ones(os.path.getsize(path), dtype=torch.uint8)
-    view = memoryview(dest.numpy())
-    drop_cache(path)
-    barrier()
-    t = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    for i in range(0, len(view), 8 << 20):
-        os.preadv(fd, [view[i:i + (8 << 20)]], i)
-    os.close(fd)
-    read = time.perf_counter() - t
-    os.remove(path)
-    return read
+    def read(self) -> float:
+        """Cold sequential read of `write`'s file into touched memory, 8 MiB per call, as the loads
+        read their checkpoints: evicted from the page cache, first read since it was written."""
+        drop_cache(self.path)
+        barrier()
+        t = time.perf_counter()
+        fd = os.open(self.path, os.O_RDONLY)
+        for i in range(0, len(self.aligned), 8 << 20):
+            os.preadv(fd, [self.aligned[i:i + (8 << 20)]], i)
+        os.close(fd)
+        read = time.perf_counter() - t
+        os.remove(self.path)
+        return read
 
 
 # ------------------------------------------------------------------ the 2-rank run
@@ -277,17 +278,16 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
         return t.item()
 
     available = [m for m in METHODS if methods.available(m)]
+    limits = Limits(root, rank_bytes)
     for rep in range(args.reps):
+        results["limits"]["write"].append(slowest(limits.write()))
         # Saves first, every method in turn; then the loads, so no load reads a file its save wrote
         # an instant before (this disk reads fresh data slower), in an order that rotates each rep.
         for name in available:
             res = results["methods"].setdefault(name, {"stall": [], "commit": [], "load": [], "loop": [],
                                                       "bytes": 0, "ok": True})
             path = os.path.join(root, f"{name}_{rep}")
-            # this machine's memory and disk speeds drift by up to 2x within minutes: the limits are
-            # sampled right before every save, and their medians are the limits
-            results["limits"]["memcpy"].append(slowest(memcpy_limit(rank_bytes)))
-            results["limits"]["write"].append(slowest(write_limit(root, rank_bytes)))
+            results["limits"]["memcpy"].append(slowest(limits.memcpy()))
             dist.barrier()
             t0 = time.perf_counter()
             pending = methods.save(name, path, model, opt)
@@ -299,7 +299,8 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
             res["commit"].append(slowest(commit))
             if rank == 0:
                 res["bytes"] = dir_bytes(path)
-        results["limits"]["read"].append(slowest(read_limit(root)))
+        results["limits"]["write"].append(slowest(limits.write()))
+        results["limits"]["read"].append(slowest(limits.read()))
         for name in available[rep % len(available):] + available[:rep % len(available)]:
             res = results["methods"][name]
             path = os.path.join(root, f"{name}_{rep}")
@@ -375,9 +376,10 @@ def resharded_loads(args, root: str, methods_run) -> dict:
     methods = Methods(1)
     total = sum(t.numel() * t.element_size() for t in reference.values())
     out = {"_read_limit": [], **{name: {"load": [], "ok": True} for name in methods_run}}
+    limits = Limits(root, total)
     for rep in range(args.reps):
-        write_limit(root, total)
-        out["_read_limit"].append(read_limit(root))  # one process reading every rank's bytes
+        limits.write()
+        out["_read_limit"].append(limits.read())  # one process reading every rank's bytes
         for name in methods_run:
             if "error" in out[name]:
                 continue
@@ -396,6 +398,7 @@ def resharded_loads(args, root: str, methods_run) -> dict:
                 got.update({f"o/{n}/{k}": v for k, v in opt.state[p].items()})
             out[name]["ok"] &= same(got, reference)
             del model, opt
+    del limits
     for name in methods_run:
         shutil.rmtree(os.path.join(root, f"{name}_{args.reps - 1}"), ignore_errors=True)
     out["_read_limit"] = statistics.median(out["_read_limit"])
