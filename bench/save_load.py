@@ -11,7 +11,7 @@ wall time of a training loop that saves every k steps (minus the same loop witho
 method that returns early but makes the next step wait pays for it. Every load is checked bit for
 bit. Each checkpoint is deleted after use.
 
-Run: .venv/bin/python bench/save_load.py            (about 35 minutes here)
+Run: .venv/bin/python bench/save_load.py            (about 30 minutes here)
      .venv/bin/python bench/save_load.py --params-m 8 --reps 1   (a quick smoke run)
 """
 from __future__ import annotations
