@@ -220,8 +220,7 @@ class Limits:
         self.dst.copy_(self.src)
         raw = torch.empty(nbytes + 8192, dtype=torch.uint8)
         off = (-raw.data_ptr()) % 4096
-        self.aligned = memoryview(raw[off:off + nbytes // 4096 * 4096].fill_(7).numpy())
-        self.raw = raw
+        self.aligned = memoryview(raw[off:off + nbytes // 4096 * 4096].fill_(7).numpy())  # keeps raw alive
 
     def memcpy(self) -> float:
         """`copy_` of the bytes into already-touched memory (every rank at once)."""
