@@ -65,7 +65,7 @@ class StagedWrite:
 
         Contiguous host tensors are copied as byte pieces by `threads` threads with memmove (the
         GIL released): one `copy_` per tensor forks and joins torch's thread pool every time, which
-        ranks sharing few cores turned into a 1.5-4x slower snapshot here. Other sources (device
+        ranks sharing few cores turned into a 2-5x slower snapshot here. Other sources (device
         tensors, strided views, encoded objects) are copied by this thread, in order.
         """
         self.buffer = buffer
