@@ -121,8 +121,7 @@ class StagedWrite:
         if not isinstance(src, torch.Tensor):
             return [_Piece(item.file, item.offset + item.nbytes, dest, src)]
         src = src.detach()
-        if (src.device.type != "cpu" or dest.device.type != "cpu" or not src.is_contiguous()
-                or src.is_conj() or src.is_neg() or not item.nbytes):
+        if src.device.type != "cpu" or not src.is_contiguous() or src.is_conj() or src.is_neg() or not item.nbytes:
             return [_Piece(item.file, item.offset + item.nbytes, dest, src)]
         return [_Piece(item.file, item.offset + min(item.nbytes, at + COPY_PIECE), dest, src,
                        host=(dest.data_ptr() + at, src.data_ptr() + at, min(COPY_PIECE, item.nbytes - at)))
@@ -171,7 +170,7 @@ class _Piece:
     file: str
     end: int
     dest: torch.Tensor
-    source: Union[torch.Tensor, bytes]
+    source: Union[torch.Tensor, bytes]  # also keeps a memmove's source alive
     host: Optional[Tuple[int, int, int]] = None  # (dest, src, nbytes) for a plain memmove
 
     def run(self) -> None:
