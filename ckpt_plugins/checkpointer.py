@@ -239,26 +239,20 @@ class Checkpointer:
             specs = _specs(fragments)
         except Exception as exc:  # every rank must learn of it, or the others would wait forever
             error = _describe(exc)
-        cached, handle.info.plan_cached = self._plan(coord, storage, specs, aliases, error, overwrite)
-        t_plan = time.perf_counter()
-
         obj_file = f"{DATA_DIR}/r{coord.rank}-objects.bin"
         placed, _ = place([len(o[2]) for o in objects], [obj_file])
-        stage = [StageItem(w.file, w.offset, sub_view(fragments[w.index].local, fragments[w.index].offsets, w.box))
-                 for w in cached.writes] + \
-                [StageItem(f, off, o[2]) for o, (f, off) in zip(objects, placed)]
-        job = StagedWrite(storage, stage)
-        pin = any(isinstance(s.source, torch.Tensor) and s.source.device.type == "cuda" for s in stage)
-        info = handle.info
-        info.rank_bytes, info.balance = sum(item.nbytes for item in stage), cached.balance
-        info.collectives = coord.collectives - before
-        info.timings["plan"] = t_plan - t0
+        info, slot = handle.info, []
 
-        slot = []
+        def staged(cached: _CachedPlan) -> StagedWrite:
+            return StagedWrite(storage, [StageItem(w.file, w.offset, sub_view(fragments[w.index].local,
+                                                                               fragments[w.index].offsets, w.box))
+                                         for w in cached.writes] +
+                               [StageItem(f, off, o[2]) for o, (f, off) in zip(objects, placed)])
 
-        def snapshot() -> None:  # a failure reaches every rank through the writes and the commit
+        def copy(job: StagedWrite) -> None:  # a failure reaches every rank through the writes and the commit
             t = time.perf_counter()
             try:
+                pin = any(isinstance(i.source, torch.Tensor) and i.source.device.type == "cuda" for i in job.items)
                 slot.append(self.pool.acquire(job.nbytes, pin=pin))  # may wait for an earlier save's slot
                 job.snapshot(slot[0].buffer, threads=torch.get_num_threads())
             except BaseException as exc:
@@ -266,6 +260,39 @@ class Checkpointer:
                 log.error("snapshot for %s failed: %s", storage, _describe(exc))
             finally:
                 info.timings["snapshot"] = time.perf_counter() - t
+
+        early: List[StagedWrite] = []
+
+        def speculate(cached: _CachedPlan) -> None:
+            # An async save copies with this rank's cached plan while the ranks agree that every
+            # cached plan still holds: the agreement then costs the stall nothing.
+            early.append(staged(cached))
+            copy(early[0])
+
+        try:
+            cached, info.plan_cached = self._plan(coord, storage, specs, aliases, error, overwrite,
+                                                  meanwhile=speculate if async_ and not overlap else None)
+        except BaseException:
+            if slot:
+                slot.pop().release()
+            raise
+        t_plan = time.perf_counter()
+        copied = bool(early) and info.plan_cached
+        if copied:
+            job = early[0]
+        else:
+            if slot:  # copied for a plan another rank's change made stale: copy again
+                slot.pop().release()
+            job = staged(cached)
+        info.rank_bytes, info.balance = sum(item.nbytes for item in job.items), cached.balance
+        info.collectives = coord.collectives - before
+        info.timings["plan"] = t_plan - t0
+
+        def snapshot() -> None:
+            try:
+                if not copied:
+                    copy(job)
+            finally:
                 handle._snapshot.set()
 
         object_entries = [(key, ObjectMeta(file=f, offset=off, nbytes=len(data), crc32c=[], encoding=enc, rank=rank))
@@ -292,9 +319,11 @@ class Checkpointer:
         return handle.wait()
 
     def _plan(self, coord: Coordinator, storage: Storage, specs: List[TensorSpec], aliases: Dict[str, str],
-              error: Optional[str], overwrite: bool) -> Tuple[_CachedPlan, bool]:
+              error: Optional[str], overwrite: bool,
+              meanwhile: Optional[Callable[[_CachedPlan], None]] = None) -> Tuple[_CachedPlan, bool]:
         """This rank's writes. One all-reduce decides whether every rank's cached plan still holds;
-        only when it does not are specs gathered and a new plan scattered."""
+        only when it does not are specs gathered and a new plan scattered. `meanwhile(cached)` runs
+        while the all-reduce is in flight, when this rank's own cached plan holds."""
         key = hashlib.sha256(pickle.dumps((specs, sorted(aliases.items()), self.threads))).digest()
         locked = False
         if coord.is_coordinator and error is None:
@@ -305,9 +334,18 @@ class Checkpointer:
                 error = str(exc) if isinstance(exc, SaveError) else _describe(exc)
         stale = self._cache is None or self._cache.key != key
         flags = torch.tensor([int(stale), int(error is not None)])
+        agreement = None
         if coord.world_size > 1:
             coord.collectives += 1
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=coord.group)
+            agreement = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=coord.group, async_op=True)
+        if meanwhile is not None and not stale and error is None:
+            try:
+                meanwhile(self._cache)
+            finally:
+                if agreement is not None:
+                    agreement.wait()
+        elif agreement is not None:
+            agreement.wait()
         if flags[1]:
             if locked:
                 lock.release(storage)
