@@ -266,18 +266,16 @@ def read_items(storage: Storage, reads: Sequence[ReadItem], targets: Sequence[Fr
     """Run this rank's reads (and its part of the read-once exchange); returns bytes read from storage.
 
     Reads run on a thread pool; each verified range is copied into its destination views as soon
-    as it lands. `transfers` maps a read's position to its shared read: its reader reads the union
-    range once and sends it to the other ranks needing it; receives are posted first.
+    as it lands (straight into the destination when it is one contiguous view). `transfers` maps a
+    read's position to its shared read: its reader reads the union range once and sends it to
+    the other ranks needing it. Ranges that need a buffer take it from a `_Ring`, one for reads
+    and one for receives, both in the transfers' order, so the oldest transfer can always finish.
     """
     import torch.distributed as dist
 
     transfers = transfers or {}
     send_lock = threading.Lock()  # one thread at a time posts sends on the group
-    incoming, outgoing = [], []
-    for position, t in sorted(transfers.items()):
-        if t.reader != rank:
-            buf = torch.empty(t.end - t.start, dtype=torch.uint8)
-            incoming.append((reads[position], t, buf, dist.irecv(buf, group=group, group_src=t.reader, tag=t.tag)))
+    failed: List[BaseException] = []
 
     class Job:
         """One read, split into pieces that run in parallel; the last piece to land finishes it."""
@@ -290,46 +288,148 @@ def read_items(storage: Storage, reads: Sequence[ReadItem], targets: Sequence[Fr
             self.dtype = dtype_from_name(dtypes[self.read.key])
             direct = None if self.transfer is not None else _direct_destination(self.read, targets, self.dtype)
             self.direct = direct is not None
-            self.data = direct if direct is not None else memoryview(bytearray(self.end - self.start))
+            self.data = direct  # or the bytes of `buffer`, a range of the read ring taken at dispatch
+            self.buffer: Optional[torch.Tensor] = None
             step = max(chunk, READ_PIECE // chunk * chunk)  # pieces start on checksum chunks
-            self.pieces = [(self, s, min(s + step, self.end)) for s in range(self.start, self.end, step)]
+            self.pieces = [(s, min(s + step, self.end)) for s in range(self.start, self.end, step)]
             self.left = len(self.pieces)
             self.lock = threading.Lock()
-            if not self.pieces:  # nothing to read (an empty range) still completes its transfer
-                self.finish()
+            self.done = threading.Event()
+            self.sends: list = []
 
         def run_piece(self, start: int, end: int) -> int:
-            stored = self.read.stored
-            read_checked(storage, self.read.key, stored.file, stored.offset, stored.nbytes, start, end,
-                         stored.crc32c, chunk, buffer=self.data[start - self.start:end - self.start])
-            with self.lock:
-                self.left -= 1
-                last = self.left == 0
-            if last:
-                self.finish()
-            return end - start
+            try:
+                stored = self.read.stored
+                read_checked(storage, self.read.key, stored.file, stored.offset, stored.nbytes, start, end,
+                             stored.crc32c, chunk, buffer=self.data[start - self.start:end - self.start])
+                with self.lock:
+                    self.left -= 1
+                    last = self.left == 0
+                if last:
+                    self.finish()
+                return end - start
+            except BaseException as exc:
+                failed.append(exc)
+                self.done.set()  # its buffer may be retired: nothing more will land there
+                raise
 
         def finish(self) -> None:
             if self.transfer is not None:
-                tensor = torch.frombuffer(self.data, dtype=torch.uint8)
                 with send_lock:
-                    outgoing.extend((dist.isend(tensor, group=group, group_dst=r, tag=self.transfer.tag), tensor)
-                                    for r in self.transfer.needers if r != rank)
+                    self.sends = [dist.isend(self.buffer, group=group, group_dst=r, tag=self.transfer.tag)
+                                  for r in self.transfer.needers if r != rank]
             if not self.direct:
                 copy_out(self.read, self.data[self.read.start - self.start:self.read.end - self.start], targets,
                          self.dtype)
+            self.done.set()
 
-    pieces = [piece for p in range(len(reads)) if p not in transfers or transfers[p].reader == rank
-              for piece in Job(p).pieces]
-    if threads <= 1 or len(pieces) <= 1:
-        nbytes = sum(job.run_piece(s, e) for job, s, e in pieces)
-    else:
-        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read") as pool:
-            nbytes = sum(pool.map(lambda piece: piece[0].run_piece(piece[1], piece[2]), pieces))
-    for read, t, buf, work in incoming:
-        work.wait()
-        copy_out(read, memoryview(buf.numpy())[read.start - t.start:read.end - t.start], targets,
-                 dtype_from_name(dtypes[read.key]))
-    for work, _tensor in outgoing:
-        work.wait()
+        def retire(self) -> None:
+            self.done.wait()
+            for work in self.sends:
+                work.wait()
+
+    # shared reads first, in the transfers' order: the other ranks wait for them
+    order = sorted(range(len(reads)), key=lambda p: (0, transfers[p].tag) if p in transfers else (1, p))
+    jobs = [Job(p) for p in order if p not in transfers or transfers[p].reader == rank]
+    receiving = [(reads[p], t) for p, t in sorted(transfers.items(), key=lambda pt: pt[1].tag) if t.reader != rank]
+    read_ring = _Ring([job.end - job.start for job in jobs if not job.direct])
+    receive_ring = _Ring([t.end - t.start for _, t in receiving])
+    nbytes = 0
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-read") as pool:
+        futures = []
+
+        def dispatch() -> None:  # in the transfers' order, waiting for ring space as needed
+            try:
+                for job in jobs:
+                    if failed:
+                        return
+                    if not job.direct:
+                        job.buffer = read_ring.take(job.end - job.start, job.retire)
+                        job.data = memoryview(job.buffer.numpy())
+                    futures.extend(pool.submit(job.run_piece, s, e) for s, e in job.pieces)
+                    if not job.pieces:  # nothing to read (an empty range) still completes its transfer
+                        job.finish()
+            except BaseException as exc:
+                failed.append(exc)
+
+        dispatcher = threading.Thread(target=dispatch, name="ckpt-read-dispatch", daemon=True)
+        dispatcher.start()
+        try:
+            for read, t in receiving:  # taking ring space completes the oldest receives
+                receive = _Receive(read, t, targets, dtype_from_name(dtypes[read.key]))
+                receive.buffer = receive_ring.take(t.end - t.start, receive.complete)
+                receive.work = dist.irecv(receive.buffer, group=group, group_src=t.reader, tag=t.tag)
+            receive_ring.drain()
+        finally:
+            dispatcher.join()
+            for future in futures:
+                if future.exception() is None:
+                    nbytes += future.result()
+        if failed:
+            raise failed[0]
+        read_ring.drain()
     return nbytes
+
+
+@dataclass
+class _Receive:
+    """A shared read another rank reads and sends here: copied out once it has arrived."""
+    read: ReadItem
+    transfer: Transfer
+    targets: Sequence[Fragment]
+    dtype: torch.dtype
+    buffer: Optional[torch.Tensor] = None
+    work: object = None
+
+    def complete(self) -> None:
+        self.work.wait()
+        t, read = self.transfer, self.read
+        copy_out(read, memoryview(self.buffer.numpy())[read.start - t.start:read.end - t.start], self.targets,
+                 self.dtype)
+
+
+class _Ring:
+    """Reusable memory for the ranges a load reads or receives before copying them out.
+
+    Ranges are taken in order and retired oldest first (`retire` waits until a range is copied
+    out and sent), so memory stays bounded and is touched once: fresh memory for every range of a
+    1 GiB resharded load cost 2-5 s of page faults here, and twice its bytes in memory.
+    """
+
+    BYTES = 64 << 20  # unless one range needs more
+    ALIGN = 64
+
+    def __init__(self, sizes: Sequence[int]):
+        need = max([0] + [align_up(n, self.ALIGN) for n in sizes])
+        self.size = max(need, min(self.BYTES, sum(align_up(n, self.ALIGN) for n in sizes)))
+        self.memory = torch.empty(self.size, dtype=torch.uint8) if self.size else None
+        self.entries: deque = deque()  # [start, end, retire] in taking order
+
+    def take(self, nbytes: int, retire) -> torch.Tensor:
+        n = align_up(nbytes, self.ALIGN)
+        while True:
+            start = self._fit(n)
+            if start is not None:
+                self.entries.append([start, start + n, retire])
+                return self.memory[start:start + nbytes] if n else torch.empty(0, dtype=torch.uint8)
+            self._retire_oldest()
+
+    def _fit(self, n: int) -> Optional[int]:
+        if not self.entries:
+            return 0
+        tail, head = self.entries[0][0], self.entries[-1][1]
+        if self.entries[-1][0] >= tail:  # live memory is [tail, head): free after it, then before it
+            if head + n <= self.size:
+                return head
+            return 0 if n <= tail else None
+        return head if head + n <= tail else None  # wrapped: free is [head, tail)
+
+    def _retire_oldest(self) -> None:
+        retire = self.entries[0][2]
+        if retire is not None:
+            retire()
+        self.entries.popleft()
+
+    def drain(self) -> None:
+        while self.entries:
+            self._retire_oldest()

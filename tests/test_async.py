@@ -154,6 +154,58 @@ def test_plan_cache_skips_planning_collectives(tmp_path):
     assert_loads_as(tmp_path / "c1", values(make(seed=0)))
 
 
+def speculation_worker(rank, world, root):
+    """An async save copies with its cached plan while the ranks agree on it, and copies again when
+    another rank's structure made the plan stale."""
+    from ckpt_plugins import engine
+    events = []
+    snapshot, all_reduce = engine.StagedWrite.snapshot, dist.all_reduce
+
+    class Logged:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append("agreed")
+            return self.work.wait()
+
+    engine.StagedWrite.snapshot = lambda self, buf, **kw: (events.append("snapshot"), snapshot(self, buf, **kw))[1]
+    dist.all_reduce = lambda *a, async_op=False, **kw: (Logged(all_reduce(*a, async_op=True, **kw)) if async_op
+                                                         else all_reduce(*a, **kw))
+    ckpt, model = cp.Checkpointer(), make()
+
+    def save(name, state, expected):
+        events.clear()
+        handle = ckpt.save(f"{root}/{name}", state, async_=True)
+        with torch.no_grad():  # training goes on at once: the copy must already be whole
+            for p in model.parameters():
+                p.add_(1.0)
+        handle.wait(timeout=60)
+        assert events == expected, (name, events)
+        return handle.info
+
+    assert not save("s0", {"model": model}, ["agreed", "snapshot"]).plan_cached
+    assert save("s1", {"model": model}, ["snapshot", "agreed"]).plan_cached
+    # rank 1's structure changes; rank 0's cached plan still holds locally, so it copies early in vain
+    state = {"model": model, "extra": {"t": torch.ones(3)}} if rank == 1 else {"model": model, "extra": {}}
+    info = save("s2", state, ["snapshot", "agreed", "snapshot"] if rank == 0 else ["agreed", "snapshot"])
+    assert not info.plan_cached
+    ckpt.close()
+
+
+def test_async_save_copies_while_the_ranks_agree_on_the_cached_plan(tmp_path):
+    run_ranks(2, speculation_worker, str(tmp_path))
+    expected = values(make())
+    for name in ["s0", "s1"]:
+        assert_loads_as(tmp_path / name, expected)
+        expected = {k: v + 1.0 for k, v in expected.items()}  # as the worker added after each save
+    model, extra = make(seed=99), {"t": torch.zeros(3)}
+    cp.load(tmp_path / "s2", {"model": model, "extra": extra})
+    assert torch.equal(extra["t"], torch.ones(3))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+
 class FailOnRank1(LocalStorage):
     def open_writer(self, name):
         time.sleep(0.2)
@@ -198,7 +250,10 @@ def test_background_commits_do_not_interleave_with_training_collectives(tmp_path
     assert_loads_as(tmp_path / "i2", values(make()))
 
 
-def read_once_worker(rank, world, path, totals_path):
+def read_once_worker(rank, world, path, totals_path, ring_bytes):
+    from ckpt_plugins import engine
+    if ring_bytes is not None:  # each range then waits for the one before it to be retired
+        engine._Ring.BYTES = ring_bytes
     model = make(seed=7, depth=24)
     result = cp.load(path, {"model": model})
     for k, v in model.state_dict().items():
@@ -209,14 +264,39 @@ def read_once_worker(rank, world, path, totals_path):
         torch.save(totals, totals_path)
 
 
-def test_replicated_load_reads_each_byte_once(tmp_path):
+@pytest.mark.parametrize("ring_bytes", [None, 1])
+def test_replicated_load_reads_each_byte_once(tmp_path, ring_bytes):
     cp.save(tmp_path / "r", {"model": make(depth=24)})
-    run_ranks(4, read_once_worker, str(tmp_path / "r"), str(tmp_path / "totals"))
+    run_ranks(4, read_once_worker, str(tmp_path / "r"), str(tmp_path / "totals"), ring_bytes)
     totals = torch.load(tmp_path / "totals")
     stored = sum(b.nbytes for t in cp.read_metadata(tmp_path / "r").tensors.values() for b in t.boxes)
     print(f"read-once load on 4 ranks: bytes read per rank {totals}, checkpoint tensors {stored}")
     assert sum(totals) == stored  # not 4x
     assert max(totals) < 0.4 * stored  # and spread over the ranks
+
+
+def test_ring_reuses_memory_oldest_range_first():
+    from ckpt_plugins.engine import _Ring
+    retired = []
+    assert _Ring([100, 100, 100, 300]).size == 704  # all of them (64-byte aligned): less than the bound
+    _Ring.BYTES, saved = 256, _Ring.BYTES
+    try:
+        assert _Ring([100, 300]).size == 320  # the bound, or the largest range when that is bigger
+        ring = _Ring([100, 100, 100])
+    finally:
+        _Ring.BYTES = saved
+    assert ring.size == 256
+    spans = []
+    for i in range(5):
+        t = ring.take(100, lambda i=i: retired.append(i))
+        t.fill_(i)
+        spans.append(t.data_ptr() - ring.memory.data_ptr())
+        live = [(a, b) for a, b, _ in ring.entries]
+        assert all(b1 <= a2 or b2 <= a1 for k, (a1, b1) in enumerate(live) for a2, b2 in live[k + 1:]), live
+    assert spans == [0, 128, 0, 128, 0] and retired == [0, 1, 2]
+    assert torch.equal(ring.memory[128:228], torch.full((100,), 3, dtype=torch.uint8))
+    ring.drain()
+    assert retired == [0, 1, 2, 3, 4] and not ring.entries
 
 
 def split_save_worker(rank, world, path):
