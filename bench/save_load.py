@@ -8,8 +8,10 @@ run, in the checkpoint's directory: memcpy into touched memory, O_DIRECT write, 
 
 Stall is charged two ways for every method alike: the time the save call blocks, and the extra
 wall time of a training loop that saves every k steps (minus the same loop without saves), so a
-method that returns early but makes the next step wait pays for it. Every load is checked bit for
-bit. Each checkpoint is deleted after use.
+method that returns early but makes the next step wait pays for it. Loads are timed cold into the
+same layout, into another layout at the same world size (FSDP2 sharding columns instead of rows:
+every rank needs part of every file) and into one plain process (2 -> 1). Every load is checked
+bit for bit. Each checkpoint is deleted after use.
 
 Run: .venv/bin/python bench/save_load.py            (about 30 minutes here)
      .venv/bin/python bench/save_load.py --params-m 8 --reps 1   (a quick smoke run)
@@ -43,14 +45,16 @@ PEERS = METHODS[3:]
 # ------------------------------------------------------------------ model and training
 
 
-def build(layers: int, fsdp: bool):
+def build(layers: int, fsdp: bool, dim: int = 0):
+    """The model and its optimizer; with `fsdp`, every parameter sharded on `dim` over the ranks."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
     if fsdp:
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
         for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, shard_placement_fn=lambda p: Shard(dim))
+        fully_shard(model, shard_placement_fn=lambda p: Shard(dim))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -65,13 +69,20 @@ def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def local_state(model, opt):
-    """Every local tensor of model and optimizer, by name: what a same-layout load must restore."""
+def local_state(model, opt, dim=None):
+    """Every local tensor of model and optimizer, by name: what a same-layout load must restore;
+    with `dim`, what a model sharded on `dim` must hold instead (collective)."""
+    from torch.distributed.tensor import Shard
+
+    def own(t):
+        if dim is not None and hasattr(t, "redistribute"):
+            t = t.redistribute(placements=[Shard(dim)])
+        return local(t).detach().clone()
     out = {}
     for name, p in model.named_parameters():
-        out[f"p/{name}"] = local(p).detach().clone()
+        out[f"p/{name}"] = own(p)
         for k, v in opt.state[p].items():
-            out[f"o/{name}/{k}"] = local(v).detach().clone()
+            out[f"o/{name}/{k}"] = own(v)
     return out
 
 
@@ -266,6 +277,7 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
     train_step(model, opt, 0)
     methods = Methods(world)
     reference = local_state(model, opt)
+    reference_cols = local_state(model, opt, dim=1)
     rank_bytes = sum(t.numel() * t.element_size() for t in reference.values())
     results = {"rank_bytes": rank_bytes, "limits": {"memcpy": [], "write": [], "read": []}, "methods": {}}
     if rank == 0 and methods.bcp is None:
@@ -283,8 +295,8 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
         # Saves first, every method in turn; then the loads, so no load reads a file its save wrote
         # an instant before (this disk reads fresh data slower), in an order that rotates each rep.
         for name in available:
-            res = results["methods"].setdefault(name, {"stall": [], "commit": [], "load": [], "loop": [],
-                                                      "bytes": 0, "ok": True})
+            res = results["methods"].setdefault(name, {"stall": [], "commit": [], "load": [], "cols": [],
+                                                      "loop": [], "bytes": 0, "ok": True})
             path = os.path.join(root, f"{name}_{rep}")
             results["limits"]["memcpy"].append(slowest(limits.memcpy()))
             dist.barrier()
@@ -303,16 +315,19 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
         for name in available[rep % len(available):] + available[:rep % len(available)]:
             res = results["methods"][name]
             path = os.path.join(root, f"{name}_{rep}")
-            fresh, fresh_opt = build(layers, fsdp=True)
-            dist.barrier()
-            if rank == 0:
-                drop_cache(path)
-            dist.barrier()
-            t0 = time.perf_counter()
-            methods.load(name, path, fresh, fresh_opt)
-            res["load"].append(slowest(time.perf_counter() - t0))
-            res["ok"] &= bool(slowest(0.0 if same(local_state(fresh, fresh_opt), reference) else 1.0) == 0.0)
-            del fresh, fresh_opt
+            # the same layout, then another one at the same world size: FSDP2 sharding every
+            # tensor's columns (Shard(1)) instead of its rows, so each rank needs part of every file
+            for column, dim, expected in (("load", 0, reference), ("cols", 1, reference_cols)):
+                fresh, fresh_opt = build(layers, fsdp=True, dim=dim)
+                dist.barrier()
+                if rank == 0:
+                    drop_cache(path)
+                dist.barrier()
+                t0 = time.perf_counter()
+                methods.load(name, path, fresh, fresh_opt)
+                res[column].append(slowest(time.perf_counter() - t0))
+                res["ok"] &= bool(slowest(0.0 if same(local_state(fresh, fresh_opt), expected) else 1.0) == 0.0)
+                del fresh, fresh_opt
             dist.barrier()
             keep = rep == args.reps - 1  # the last checkpoint of each method is loaded 2 -> 1 by the parent
             if rank == 0 and not keep:
@@ -445,15 +460,17 @@ def report(args, results, resharded) -> None:
     rows = {}
     for name, r in results["methods"].items():
         rows[name] = {"stall": med(r["stall"]), "loop": med(r["loop"]), "commit": med(r["commit"]),
-                      "load": med(r["load"]), "reshard": med(resharded[name]["load"]) if "load" in resharded.get(name, {}) else math.nan,
+                      "load": med(r["load"]), "cols": med(r["cols"]), "reshard": med(resharded[name]["load"]) if "load" in resharded.get(name, {}) else math.nan,
                       "ok": r["ok"] and resharded.get(name, {}).get("ok", False), "bytes": r["bytes"]}
     peers = [p for p in PEERS if p in rows]
-    best = {k: min(rows[p][k] for p in peers) for k in ("stall", "loop", "commit", "load", "reshard")}
-    limit = {"stall": lim["memcpy"], "commit": lim["write"], "load": lim["read"], "reshard": resharded["_read_limit"],
-             "loop": math.nan}
-    print(f"\n{'method':<17}{'stall s':>9}{'loop +s':>9}{'commit s':>10}{'load s':>9}{'2->1 s':>9}{'GiB':>6}  bit-exact")
+    columns = ("stall", "loop", "commit", "load", "cols", "reshard")
+    best = {k: min(rows[p][k] for p in peers) for k in columns}
+    limit = {"stall": lim["memcpy"], "commit": lim["write"], "load": lim["read"], "cols": lim["read"],
+             "reshard": resharded["_read_limit"], "loop": math.nan}
+    print(f"\n{'method':<17}{'stall s':>9}{'loop +s':>9}{'commit s':>10}{'load s':>9}{'cols s':>9}{'2->1 s':>9}"
+          f"{'GiB':>6}  bit-exact")
     for name, r in rows.items():
-        print(f"{name:<17}{r['stall']:>9.3f}{r['loop']:>9.3f}{r['commit']:>10.3f}{r['load']:>9.3f}"
+        print(f"{name:<17}{r['stall']:>9.3f}{r['loop']:>9.3f}{r['commit']:>10.3f}{r['load']:>9.3f}{r['cols']:>9.3f}"
               f"{r['reshard']:>9.3f}{r['bytes'] / 2**30:>6.2f}  {'yes' if r['ok'] else 'NO'}")
         if name in resharded and "error" in resharded[name]:
             print(f"{'':<17}2->1 load failed: {resharded[name]['error']}")
@@ -464,12 +481,13 @@ def report(args, results, resharded) -> None:
         if r is None:
             continue
         parts = []
-        for k in ("stall", "loop", "commit", "load", "reshard"):
+        for k in columns:
             vs_limit = f" / limit {r[k] / limit[k]:.2f}" if not math.isnan(limit[k]) else ""
             parts.append(f"{k} {r[k] / best[k]:.2f}{vs_limit}" if best[k] > 0 else f"{k} n/a")
         print(f"  {name:<14} " + ", ".join(parts))
-    print("\nbest peer per column: " + ", ".join(
-        f"{k} {min(peers, key=lambda p: rows[p][k])}" for k in ("stall", "loop", "commit", "load", "reshard")))
+    print("\nresharded load / same-layout load: " + ", ".join(
+        f"{name} cols {rows[name]['cols'] / rows[name]['load']:.2f}" for name in rows if name.startswith("ours")))
+    print("best peer per column: " + ", ".join(f"{k} {min(peers, key=lambda p: rows[p][k])}" for k in columns))
 
 
 if __name__ == "__main__":
