@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -403,14 +403,14 @@ class _Ring:
         need = max([0] + [align_up(n, self.ALIGN) for n in sizes])
         self.size = max(need, min(self.BYTES, sum(align_up(n, self.ALIGN) for n in sizes)))
         self.memory = torch.empty(self.size, dtype=torch.uint8) if self.size else None
-        self.entries: deque = deque()  # [start, end, retire] in taking order
+        self.entries: deque = deque()  # (start, end, retire) in taking order
 
-    def take(self, nbytes: int, retire) -> torch.Tensor:
+    def take(self, nbytes: int, retire: Callable[[], None]) -> torch.Tensor:
         n = align_up(nbytes, self.ALIGN)
         while True:
             start = self._fit(n)
             if start is not None:
-                self.entries.append([start, start + n, retire])
+                self.entries.append((start, start + n, retire))
                 return self.memory[start:start + nbytes] if n else torch.empty(0, dtype=torch.uint8)
             self._retire_oldest()
 
@@ -425,9 +425,7 @@ class _Ring:
         return head if head + n <= tail else None  # wrapped: free is [head, tail)
 
     def _retire_oldest(self) -> None:
-        retire = self.entries[0][2]
-        if retire is not None:
-            retire()
+        self.entries[0][2]()
         self.entries.popleft()
 
     def drain(self) -> None:
