@@ -58,7 +58,10 @@ class SavePlan:
         return max(self.rank_bytes) / mean if mean else 1.0
 
 
-ITEM_ALIGN = 64  # every item starts 64-byte aligned: typed views and O_DIRECT pieces stay aligned
+ITEM_ALIGN = 64  # every item starts 64-byte aligned: typed views stay aligned
+# Items of PAGE_ITEM_BYTES or more start page aligned, so that loads read them with O_DIRECT
+# (at most 0.4% padding for them).
+PAGE_ALIGN, PAGE_ITEM_BYTES = 4096, 1 << 20
 SPLIT_BYTES = 16 << 20  # replicated boxes are split into row ranges of at least this many bytes
 
 
@@ -68,11 +71,12 @@ def place(sizes: Sequence[int], names: Sequence[str]) -> Tuple[List[Tuple[str, i
     placed: List[Tuple[str, int]] = [("", 0)] * len(sizes)
     used: Dict[str, int] = {}
     for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        size, f = heapq.heappop(heap)
-        placed[index] = (names[f], size)
-        end = size + sizes[index]
-        used[names[f]] = end
-        heapq.heappush(heap, (-(-end // ITEM_ALIGN) * ITEM_ALIGN, f))
+        fill, f = heapq.heappop(heap)
+        align = PAGE_ALIGN if sizes[index] >= PAGE_ITEM_BYTES else ITEM_ALIGN
+        start = -(-fill // align) * align
+        placed[index] = (names[f], start)
+        used[names[f]] = start + sizes[index]
+        heapq.heappush(heap, (start + sizes[index], f))
     return placed, used
 
 
@@ -292,20 +296,31 @@ def plan_load(metadata: Metadata, wanted: Sequence[TensorSpec]) -> LoadPlan:
 
 @dataclass(frozen=True)
 class Transfer:
-    """A stored range that several ranks need: `reader` reads it once and sends it to the rest."""
+    """A stored range that several ranks need: `reader` reads it once and sends every other needer
+    just the regions it wants (`wants`, aligned with `needers`), packed one after the other."""
     reader: int
     needers: Tuple[int, ...]
+    wants: Tuple[Tuple[Box, ...], ...]
     start: int
     end: int
     tag: int
 
 
-def read_request(read: ReadItem) -> Tuple[str, int, int, int]:
-    """What a rank tells the others about one of its reads: stored item, byte range."""
-    return read.stored.file, read.stored.offset, read.start, read.end
+Request = Tuple[str, int, int, int, Tuple[Box, ...]]
 
 
-def assign_transfers(requests: Sequence[Sequence[Tuple[str, int, int, int]]],
+def read_regions(read: ReadItem) -> Tuple[Box, ...]:
+    """The distinct regions a read feeds, in the order of its copies: the layout of its payload
+    when another rank reads it (each region row-major, one after the other)."""
+    return tuple(dict.fromkeys(c.region for c in read.copies))
+
+
+def read_request(read: ReadItem) -> Request:
+    """What a rank tells the others about one of its reads: stored item, byte range, regions."""
+    return read.stored.file, read.stored.offset, read.start, read.end, read_regions(read)
+
+
+def assign_transfers(requests: Sequence[Sequence[Request]],
                      digests: Optional[Sequence[bytes]] = None) -> Dict[Tuple[str, int], Transfer]:
     """Pick one reader for every stored item that several ranks read (pure; same on every rank).
 
@@ -316,27 +331,29 @@ def assign_transfers(requests: Sequence[Sequence[Tuple[str, int, int, int]]],
     groups: Dict[object, List[int]] = {}
     for rank, reqs in enumerate(requests):
         groups.setdefault(digests[rank] if digests else tuple(reqs), []).append(rank)
-    needs: Dict[Tuple[str, int], List[Tuple[List[int], int, int]]] = {}
+    needs: Dict[Tuple[str, int], List[Tuple[List[int], int, int, Tuple[Box, ...]]]] = {}
     for ranks in groups.values():
-        for file, offset, start, end in requests[ranks[0]]:
-            needs.setdefault((file, offset), []).append((ranks, start, end))
+        for file, offset, start, end, regions in requests[ranks[0]]:
+            needs.setdefault((file, offset), []).append((ranks, start, end, regions))
     load = LeastLoaded(len(requests))
     shared = []
     for item, users in needs.items():
         if len(users) == 1 and len(users[0][0]) == 1:
             load.add(users[0][0][0], users[0][2] - users[0][1])
         else:
-            shared.append((min(s for _, s, _ in users), max(e for _, _, e in users), item))
+            shared.append((min(u[1] for u in users), max(u[2] for u in users), item))
     out: Dict[Tuple[str, int], Transfer] = {}
     needer_sets: Dict[Tuple[int, ...], Tuple[int, ...]] = {}  # by the groups needing an item
     for tag, (start, end, item) in enumerate(sorted(shared, key=lambda x: (x[0] - x[1], x[2]))):
-        by_groups = tuple(id(ranks) for ranks, _, _ in needs[item])
+        users = needs[item]
+        by_groups = tuple(id(u[0]) for u in users)
         needers = needer_sets.get(by_groups)
         if needers is None:
-            needers = needer_sets[by_groups] = tuple(sorted(r for ranks, _, _ in needs[item] for r in ranks))
+            needers = needer_sets[by_groups] = tuple(r for u in users for r in u[0])
+        wants = tuple(u[3] for u in users for _ in u[0])
         reader = load.pick(needers)
         load.add(reader, end - start)
-        out[item] = Transfer(reader, needers, start, end, tag)
+        out[item] = Transfer(reader, needers, wants, start, end, tag)
     return out
 
 

@@ -12,11 +12,7 @@ from typing import List, Optional
 
 import torch
 
-ALIGN = 4096
-
-
-def align_up(n: int, align: int = ALIGN) -> int:
-    return -(-n // align) * align
+from .hostmem import PAGE as ALIGN, align_up, aligned_empty
 
 
 class StagingSlot:
@@ -28,9 +24,7 @@ class StagingSlot:
         """A buffer of at least `nbytes`; grows (reallocates and touches) only when too small."""
         if self.buffer is None or self.buffer.numel() < nbytes or (pin and not self.buffer.is_pinned()):
             self.buffer = None  # release before allocating: the cap counts both
-            raw = torch.empty(align_up(nbytes) + ALIGN, dtype=torch.uint8, pin_memory=pin)
-            start = (-raw.data_ptr()) % ALIGN
-            self.buffer = raw[start:start + align_up(nbytes)]
+            self.buffer = aligned_empty(nbytes, pin)
             self.buffer.zero_()  # touch every page now, not during a snapshot
         return self.buffer
 

@@ -20,6 +20,7 @@ from torch import nn
 from .errors import LoadMismatchError
 from .format import Metadata
 from .fragment import Fragment, box_fragment
+from .hostmem import advise_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +340,9 @@ def _allocate(param: torch.Tensor, layout: ParamLayout, meta) -> torch.Tensor:
     from .format import dtype_from_name
     dtype = dtype_from_name(meta.dtype)
     if tuple(meta.shape) in layout.shapes and param.dim() > 0:
-        return torch.empty_like(param, dtype=dtype)
+        out = torch.empty_like(param, dtype=dtype)
+        advise_huge_pages(out._local_tensor if is_dtensor(out) else out)
+        return out
     local = param._local_tensor if is_dtensor(param) else param
     return torch.empty(meta.shape, dtype=dtype, device=local.device)
 

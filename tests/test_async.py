@@ -254,12 +254,14 @@ def read_once_worker(rank, world, path, totals_path, ring_bytes):
     from ckpt_plugins import engine
     if ring_bytes is not None:  # each range then waits for the one before it to be retired
         engine._Ring.BYTES = ring_bytes
+    rings, init = [], engine._Ring.__init__
+    engine._Ring.__init__ = lambda self, sizes, **kw: (init(self, sizes, **kw), rings.append(self.size))[0]
     model = make(seed=7, depth=24)
     result = cp.load(path, {"model": model})
     for k, v in model.state_dict().items():
         assert torch.equal(v, make(depth=24).state_dict()[k]), k
     totals = [None] * world
-    dist.all_gather_object(totals, result.read_bytes)
+    dist.all_gather_object(totals, (result.read_bytes, rings))
     if rank == 0:
         torch.save(totals, totals_path)
 
@@ -268,23 +270,25 @@ def read_once_worker(rank, world, path, totals_path, ring_bytes):
 def test_replicated_load_reads_each_byte_once(tmp_path, ring_bytes):
     cp.save(tmp_path / "r", {"model": make(depth=24)})
     run_ranks(4, read_once_worker, str(tmp_path / "r"), str(tmp_path / "totals"), ring_bytes)
-    totals = torch.load(tmp_path / "totals")
+    totals = [t[0] for t in torch.load(tmp_path / "totals")]
     stored = sum(b.nbytes for t in cp.read_metadata(tmp_path / "r").tensors.values() for b in t.boxes)
     print(f"read-once load on 4 ranks: bytes read per rank {totals}, checkpoint tensors {stored}")
     assert sum(totals) == stored  # not 4x
     assert max(totals) < 0.4 * stored  # and spread over the ranks
+    # the other ranks copy every replica out of its reader's shared memory: no receive buffers
+    assert all(rings[1] == 0 for _, rings in torch.load(tmp_path / "totals"))
 
 
-def test_ring_reuses_memory_oldest_range_first():
+def test_ring_reuses_memory_oldest_range_first(monkeypatch):
     from ckpt_plugins.engine import _Ring
     retired = []
-    assert _Ring([100, 100, 100, 300]).size == 704  # all of them (64-byte aligned): less than the bound
-    _Ring.BYTES, saved = 256, _Ring.BYTES
-    try:
-        assert _Ring([100, 300]).size == 320  # the bound, or the largest range when that is bigger
-        ring = _Ring([100, 100, 100])
-    finally:
-        _Ring.BYTES = saved
+    ring = _Ring([100, 100, 100, 300])
+    assert ring.size == 4 * 4096 and ring.memory.data_ptr() % 4096 == 0  # ranges start page aligned
+    monkeypatch.setattr(_Ring, "ALIGN", 64)  # small numbers below
+    assert _Ring([100, 100, 100, 300]).size == 704  # all of them (aligned): less than the bound
+    monkeypatch.setattr(_Ring, "BYTES", 256)
+    assert _Ring([100, 300]).size == 320  # the bound, or the largest range when that is bigger
+    ring = _Ring([100, 100, 100])
     assert ring.size == 256
     spans = []
     for i in range(5):

@@ -75,11 +75,29 @@ def test_big_replicated_boxes_are_split_across_their_holders():
 
 def test_read_once_assignment_reads_every_shared_range_once():
     from ckpt_plugins.plan import assign_transfers
-    reqs = [[("f", 0, 0, 100), ("f", 200, 0, 50)], [("f", 0, 0, 60)], [("f", 0, 40, 100)], [("g", 0, 0, 8)]]
+    rows = lambda a, n: (((a, 0), (n, 4)),)  # the regions a rank wants from a stored (25, 4) box
+    reqs = [[("f", 0, 0, 100, rows(0, 25)), ("f", 200, 0, 50, rows(0, 12))], [("f", 0, 0, 60, rows(0, 15))],
+            [("f", 0, 40, 100, rows(10, 15))], [("g", 0, 0, 8, rows(0, 2))]]
     out = assign_transfers(reqs)
     assert set(out) == {("f", 0)}  # items one rank needs stay with that rank
     t = out[("f", 0)]
     assert (t.start, t.end, t.needers) == (0, 100, (0, 1, 2)) and t.reader in (1, 2)  # rank 0 reads more already
+    assert t.wants == (rows(0, 25), rows(0, 15), rows(10, 15))  # what the reader sends each needer
+
+
+def test_read_regions_are_the_payload_layout_and_contiguous_ones_need_no_packing():
+    from ckpt_plugins.engine import _needs_packing
+    from ckpt_plugins.plan import read_regions
+    stored = plan_save([[spec("w", (4, 6), (0, 0), (4, 6))]]).metadata
+    cols, (read,) = spec("w", (4, 6), (0, 2), (4, 2)), plan_load(stored, [spec("w", (4, 6), (1, 0), (2, 6))]).reads
+    assert read_regions(read) == (((1, 0), (2, 6)),)
+    (twice,) = plan_load(stored, [cols, cols]).reads  # two targets of one region: sent once
+    assert len(twice.copies) == 2 and read_regions(twice) == (((0, 2), (4, 2)),)
+    assert not _needs_packing((4, 6), read_regions(read))  # whole rows: a run of the stored bytes
+    assert not _needs_packing((4, 6), (((2, 3), (1, 2)),))  # part of one row
+    assert _needs_packing((4, 6), read_regions(twice))  # columns: strided
+    assert _needs_packing((4, 6), (((0, 0), (1, 6)), ((1, 0), (1, 6))))  # two regions
+    assert not _needs_packing((2, 3, 4), (((1, 0, 0), (1, 3, 4)),)) and _needs_packing((2, 3, 4), (((0, 1, 0), (2, 1, 4)),))
 
 
 def test_load_source_of_the_wanted_dtype_is_preferred_and_casts_need_consent():

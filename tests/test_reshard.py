@@ -6,7 +6,9 @@ flat partitions (uneven, across 2 and 3 ranks) through the core's packed-fragmen
 import math
 import os
 
+import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -224,3 +226,66 @@ def test_replicated_state_is_written_once_and_balanced(tmp_path, capsys):
     writers = {t.boxes[0].file.split("-")[0] for t in meta.tensors.values()}
     assert writers == {"data/r0", "data/r1", "data/r2", "data/r3"}
     assert sum(os.path.getsize(os.path.join(path, f)) for f in meta.files) == 24 * 64 * 64 * 4
+
+
+# ------------------------------------------------------------- read-once exchange, resharded
+
+EVEN = {"a": (10, 8), "b": (7, 6), "c": (9,)}  # even column splits over 2 ranks
+
+
+def even_model(seed, dim):
+    """EVEN's parameters sharded on `dim` (1-D ones on dim 0) over every rank, with AdamW state."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Module()
+    for name, shape in EVEN.items():
+        full_value = torch.randn(shape, generator=g)
+        model.register_parameter(name, nn.Parameter(distribute_tensor(full_value, mesh, [Shard(min(dim, len(shape) - 1))])))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for i, p in enumerate(model.parameters()):
+        p.grad = distribute_tensor(torch.randn(p.shape, generator=g), mesh, p.placements)
+    opt.step()
+    return model, opt
+
+
+def rows_to_columns_worker(rank, world, path, out_path, shared_memory):
+    from ckpt_plugins import engine
+    model, opt = even_model(seed=1, dim=0)
+    cp.save(path, {"model": model, "optim": opt})
+    want = full_state(model, opt)  # collective
+    sent, rings, isend, init = [0], [], dist.isend, engine._Ring.__init__
+    dist.isend = lambda tensor, *a, **k: (sent.__setitem__(0, sent[0] + tensor.numel() * tensor.element_size()),
+                                          isend(tensor, *a, **k))[1]
+    engine._Ring.__init__ = lambda self, sizes, **kw: (init(self, sizes, **kw), rings.append(self.size))[0]
+    model, opt = even_model(seed=2, dim=1)
+    result = cp.Checkpointer(shared_memory=shared_memory).load(path, {"model": model, "optim": opt})
+    got = full_state(model, opt)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    out = [None] * world
+    dist.all_gather_object(out, (sent[0], rings, result.read_bytes))
+    if rank == 0:
+        torch.save(out, out_path)
+
+
+@pytest.mark.parametrize("shared_memory", [False, True])
+def test_resharded_read_once_sends_only_what_each_rank_wants(tmp_path, shared_memory):
+    """Rows saved, columns loaded: every stored box is wanted half by each rank. One rank reads
+    it; the other gets its half packed, straight into its tensor, or, sharing the reader's host,
+    copies it out of the reader's shared memory, told where by a header."""
+    from ckpt_plugins import shm
+    out = str(tmp_path / "out")
+    before = set(os.listdir(shm.SHM_DIR))
+    run_ranks(2, rows_to_columns_worker, str(tmp_path / "ckpt"), out, shared_memory)
+    ranks = torch.load(out)
+    two_d = sum(math.prod(s) for s in EVEN.values() if len(s) == 2) * 3 * 4  # weight, exp_avg, exp_avg_sq
+    steps = len(EVEN) * 4  # AdamW's float32 step, stored once, wanted by both ranks
+    transfers = 2 * 3 * 2 + len(EVEN)  # two row boxes of each 2-D tensor, and the steps
+    print(f"rows -> columns on 2 ranks: sent {[r[0] for r in ranks]} bytes, rings {[r[1] for r in ranks]}")
+    if shared_memory:  # a header and an acknowledgement per transfer
+        assert sum(r[0] for r in ranks) == transfers * (shm.HEADER_BYTES + 8)
+    else:
+        assert sum(r[0] for r in ranks) == two_d // 2 + steps  # not the whole boxes (two_d)
+        assert all(r[1][1] == 0 for r in ranks)  # no receive buffers: payloads land in the destination
+    stored = sum(b.nbytes for t in cp.read_metadata(tmp_path / "ckpt").tensors.values() for b in t.boxes)
+    assert sum(r[2] for r in ranks) == stored  # each byte read once
+    assert set(os.listdir(shm.SHM_DIR)) == before  # no segment outlives the load
