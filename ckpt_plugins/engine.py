@@ -312,7 +312,14 @@ def read_items(storage: Storage, reads: Sequence[ReadItem], targets: Sequence[Fr
 
     transfers = transfers or {}
     order = sorted(range(len(reads)), key=lambda p: (0, transfers[p].tag) if p in transfers else (1, p))
-    jobs = _read_jobs(storage, reads, targets, dtypes, chunk, transfers, rank, order, hosts)
+    ready = [True] * len(hosts or ())  # readers whose ring is shared
+
+    def shares(reader: int, needer: int) -> bool:
+        """Whether `needer` copies what `reader` reads out of the reader's shared ring."""
+        return (hosts is not None and reader != needer and hosts[reader] is not None
+                and hosts[reader] == hosts[needer] and ready[reader])
+
+    jobs = _read_jobs(storage, reads, targets, dtypes, chunk, transfers, rank, order, shares)
     segment = None
     if hosts is not None:  # every rank: agree on which readers share their ring
         sizes = [job.ring_bytes for job in jobs]
@@ -323,20 +330,14 @@ def read_items(storage: Storage, reads: Sequence[ReadItem], targets: Sequence[Fr
         shared = torch.tensor([int(segment is not None or not any(job.local for job in jobs))])
         flags = [torch.zeros(1, dtype=shared.dtype) for _ in hosts]
         dist.all_gather(flags, shared, group=group)
-        ready = [bool(f.item()) for f in flags]
+        ready[:] = [bool(f.item()) for f in flags]
         if not all(ready):  # a reader without a segment sends to its host over the group
-            hosts = [h if ok else None for h, ok in zip(hosts, ready)]
-            jobs = _read_jobs(storage, reads, targets, dtypes, chunk, transfers, rank, order, hosts)
+            jobs = _read_jobs(storage, reads, targets, dtypes, chunk, transfers, rank, order, shares)
     try:
-        return _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, rank, group, hosts, segment, threads)
+        return _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, rank, group, shares, segment, threads)
     finally:
         if segment is not None:
             segment.unlink()
-
-
-def _local(hosts: Optional[Sequence[Optional[str]]], rank: int, other: int) -> bool:
-    """Whether `other` shares this rank's host (and a reader's shared ring)."""
-    return hosts is not None and other != rank and hosts[rank] is not None and hosts[other] == hosts[rank]
 
 
 class _Job:
@@ -344,12 +345,12 @@ class _Job:
     to the copier, which copies it into its destination and passes it on to the other needers."""
 
     def __init__(self, storage: Storage, read: ReadItem, transfer: Optional[Transfer], targets: Sequence[Fragment],
-                 dtype: torch.dtype, chunk: int, rank: int, hosts):
+                 dtype: torch.dtype, chunk: int, rank: int, shares: Callable[[int, int], bool]):
         self.read, self.transfer, self.dtype = read, transfer, dtype
         t = transfer
         self.start, self.end = (t.start, t.end) if t else (read.start, read.end)
-        self.local = [r for r in t.needers if _local(hosts, rank, r)] if t else []
-        self.remote = [(r, g) for r, g in zip(t.needers, t.wants) if r != rank and not _local(hosts, rank, r)] if t else []
+        self.local = [r for r in t.needers if shares(rank, r)] if t else []
+        self.remote = [(r, g) for r, g in zip(t.needers, t.wants) if r != rank and not shares(rank, r)] if t else []
         own = (self.start, self.end) == (read.start, read.end)
         self.dest = _contiguous_destination(read, targets, dtype) if own else None
         # Straight into the destination, unless staging in page-aligned memory lets the read
@@ -406,12 +407,12 @@ class _Job:
             self.works.pop().wait()
 
 
-def _read_jobs(storage, reads, targets, dtypes, chunk, transfers, rank, order, hosts) -> List[_Job]:
-    return [_Job(storage, reads[p], transfers.get(p), targets, dtype_from_name(dtypes[reads[p].key]), chunk, rank, hosts)
+def _read_jobs(storage, reads, targets, dtypes, chunk, transfers, rank, order, shares) -> List[_Job]:
+    return [_Job(storage, reads[p], transfers.get(p), targets, dtype_from_name(dtypes[reads[p].key]), chunk, rank, shares)
             for p in order if p not in transfers or transfers[p].reader == rank]
 
 
-def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, rank, group, hosts, segment, threads) -> int:
+def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, rank, group, shares, segment, threads) -> int:
     import torch.distributed as dist
 
     send_lock = threading.Lock()  # one thread at a time posts sends on the group
@@ -457,11 +458,19 @@ def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, rank, gr
         finally:
             job.done.set()
 
-    receiving = [_Receive(reads[p], t, targets, dtype_from_name(dtypes[reads[p].key]), _local(hosts, rank, t.reader))
+    receiving = [_Receive(reads[p], t, targets, dtype_from_name(dtypes[reads[p].key]), shares(t.reader, rank))
                  for p, t in sorted(transfers.items(), key=lambda pt: pt[1].tag) if t.reader != rank]
     read_ring = _Ring([job.ring_bytes for job in jobs], memory=segment.tensor if segment is not None else None)
     receive_ring = _Ring([r.nbytes for r in receiving if r.direct is None and not r.local])
     attached, acks, ack = shm.Attached(), [], torch.zeros(1, dtype=torch.int64)
+    unacked = {r for job in jobs for r in job.local}  # ranks that have not attached the segment yet
+
+    def retire(job: _Job) -> None:
+        job.retire()
+        unacked.difference_update(job.local)
+        if segment is not None and not unacked:  # every rank attached: the name can go
+            segment.unlink()
+
     nbytes = 0
     # Read threads only read and verify, keeping the device's queue full; one copier thread sends
     # and copies what they read (copying on the read threads left the device idle here).
@@ -475,7 +484,7 @@ def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, rank, gr
                     if failed:
                         return
                     if job.ring_bytes:
-                        job.take(read_ring.take(job.ring_bytes, job.retire))
+                        job.take(read_ring.take(job.ring_bytes, lambda job=job: retire(job)))
                     futures.extend(pool.submit(run_piece, job, s, e) for s, e in job.pieces)
                     if not job.pieces:  # nothing to read (an empty range) still completes its transfer
                         copier.submit(finish, job)
@@ -510,7 +519,7 @@ def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, rank, gr
             raise failed[0]
         read_ring.drain()
         for job in jobs:  # the ring retired those it held; the others were read into their destinations
-            job.retire()
+            retire(job)
     return nbytes
 
 

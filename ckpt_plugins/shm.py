@@ -68,6 +68,7 @@ class Segment:
 
     def unlink(self) -> None:
         if self.owner:
+            self.owner = False
             try:
                 os.unlink(self.path)
             except FileNotFoundError:

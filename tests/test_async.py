@@ -319,3 +319,17 @@ def test_split_replicated_boxes_round_trip(tmp_path):
     cp.load(tmp_path / "s", {"model": model})
     for k, v in model.state_dict().items():
         assert torch.equal(v, make(width=128, depth=4).state_dict()[k]), k
+
+
+def test_host_copies_are_exact_at_any_size_and_alignment():
+    from ckpt_plugins import hostmem
+    import platform
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert hostmem.STREAMING == 1  # the install built the streaming-store helper
+    src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+    for copy in (hostmem.stream_copy, hostmem.copy):
+        for offset, size in ((0, 0), (0, 1), (3, 15), (1, 64), (5, 1000), (16, 4096), (7, 60001)):
+            dst = torch.zeros(size + 64, dtype=torch.uint8)
+            copy(dst.data_ptr() + offset, src.data_ptr() + 11, size)
+            assert torch.equal(dst[offset:offset + size], src[11:11 + size]), (copy, offset, size)
+            assert not dst[:offset].any() and not dst[offset + size:].any()  # nothing outside

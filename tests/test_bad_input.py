@@ -174,3 +174,29 @@ def test_a_failed_load_leaves_no_optimizer_state_behind(tmp_path):
     with pytest.raises(cp.LoadMismatchError, match="shape"):
         cp.load(tmp_path / "c", {"model": wrong, "optim": wrong_opt})
     assert not wrong_opt.state
+
+
+def test_aligned_reads_bypass_the_page_cache_and_truncation_is_still_named(tmp_path, monkeypatch):
+    from ckpt_plugins.hostmem import aligned_empty
+    data = os.urandom(3 * 4096 + 100)
+    (tmp_path / "f.bin").write_bytes(data)
+    storage, direct, read = LocalStorage(str(tmp_path)), [], LocalStorage._direct_read
+    monkeypatch.setattr(LocalStorage, "_direct_read",
+                        staticmethod(lambda path, offset, view: direct.append((offset, len(view))) or read(path, offset, view)))
+    buffer = aligned_empty(len(data))[:len(data)]
+    storage.read_into("f.bin", 0, memoryview(buffer.numpy()))
+    assert bytes(buffer.numpy()) == data and direct == [(0, 3 * 4096)]  # the aligned body; the tail buffered
+    direct.clear()
+    for offset, at in ((4096, 1), (100, 0)):  # an unaligned address or file offset: buffered only
+        out = aligned_empty(8192)[at:at + 4096]
+        storage.read_into("f.bin", offset, memoryview(out.numpy()))
+        assert bytes(out.numpy()) == data[offset:offset + 4096] and not direct
+    with pytest.raises(cp.CorruptCheckpointError, match=r"f\.bin is truncated: wanted bytes 0\.\.16384, file ends at 12388"):
+        storage.read_into("f.bin", 0, memoryview(aligned_empty(4 * 4096).numpy()))
+
+
+def test_shared_memory_segments_are_only_ours():
+    from ckpt_plugins import shm
+    for path in ("/etc/passwd", "/dev/shm/../etc/passwd", "/dev/shm/other-1-0123456789abcdef", "/tmp/ckpt_plugins-1-0123456789abcdef"):
+        with pytest.raises(ValueError, match="not a ckpt_plugins shared-memory segment"):
+            shm.Segment.attach(path)

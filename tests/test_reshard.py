@@ -249,43 +249,51 @@ def even_model(seed, dim):
 
 
 def rows_to_columns_worker(rank, world, path, out_path, shared_memory):
-    from ckpt_plugins import engine
+    from ckpt_plugins import engine, shm
+    if shared_memory == "full on rank 0" and rank == 0:  # /dev/shm has no room for this rank's ring
+        def full(nbytes):
+            raise OSError(28, "No space left on device")
+        shm.Segment.create = full
     model, opt = even_model(seed=1, dim=0)
     cp.save(path, {"model": model, "optim": opt})
     want = full_state(model, opt)  # collective
-    sent, rings, isend, init = [0], [], dist.isend, engine._Ring.__init__
-    dist.isend = lambda tensor, *a, **k: (sent.__setitem__(0, sent[0] + tensor.numel() * tensor.element_size()),
-                                          isend(tensor, *a, **k))[1]
+    sent, rings, isend, init = [], [], dist.isend, engine._Ring.__init__
+    dist.isend = lambda tensor, *a, **k: (sent.append(tensor.numel() * tensor.element_size()), isend(tensor, *a, **k))[1]
     engine._Ring.__init__ = lambda self, sizes, **kw: (init(self, sizes, **kw), rings.append(self.size))[0]
     model, opt = even_model(seed=2, dim=1)
-    result = cp.Checkpointer(shared_memory=shared_memory).load(path, {"model": model, "optim": opt})
+    result = cp.Checkpointer(shared_memory=bool(shared_memory)).load(path, {"model": model, "optim": opt})
     got = full_state(model, opt)
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     out = [None] * world
-    dist.all_gather_object(out, (sent[0], rings, result.read_bytes))
+    dist.all_gather_object(out, (sent, rings, result.read_bytes))
     if rank == 0:
         torch.save(out, out_path)
 
 
-@pytest.mark.parametrize("shared_memory", [False, True])
+@pytest.mark.parametrize("shared_memory", [False, True, "full on rank 0"])
 def test_resharded_read_once_sends_only_what_each_rank_wants(tmp_path, shared_memory):
     """Rows saved, columns loaded: every stored box is wanted half by each rank. One rank reads
     it; the other gets its half packed, straight into its tensor, or, sharing the reader's host,
-    copies it out of the reader's shared memory, told where by a header."""
+    copies it out of the reader's shared memory, told where by a header. A rank that cannot get
+    shared memory sends over the group instead."""
     from ckpt_plugins import shm
     out = str(tmp_path / "out")
     before = set(os.listdir(shm.SHM_DIR))
     run_ranks(2, rows_to_columns_worker, str(tmp_path / "ckpt"), out, shared_memory)
     ranks = torch.load(out)
+    sent = [sum(r[0]) for r in ranks]
     two_d = sum(math.prod(s) for s in EVEN.values() if len(s) == 2) * 3 * 4  # weight, exp_avg, exp_avg_sq
     steps = len(EVEN) * 4  # AdamW's float32 step, stored once, wanted by both ranks
     transfers = 2 * 3 * 2 + len(EVEN)  # two row boxes of each 2-D tensor, and the steps
-    print(f"rows -> columns on 2 ranks: sent {[r[0] for r in ranks]} bytes, rings {[r[1] for r in ranks]}")
-    if shared_memory:  # a header and an acknowledgement per transfer
-        assert sum(r[0] for r in ranks) == transfers * (shm.HEADER_BYTES + 8)
-    else:
-        assert sum(r[0] for r in ranks) == two_d // 2 + steps  # not the whole boxes (two_d)
+    print(f"rows -> columns on 2 ranks ({shared_memory}): sent {sent} bytes, rings {[r[1] for r in ranks]}")
+    if shared_memory is True:  # a header and an acknowledgement per transfer
+        assert sum(sent) == transfers * (shm.HEADER_BYTES + 8)
+    elif shared_memory is False:
+        assert sum(sent) == two_d // 2 + steps  # not the whole boxes (two_d)
         assert all(r[1][1] == 0 for r in ranks)  # no receive buffers: payloads land in the destination
+    else:  # rank 0 sends payloads, rank 1 headers; acknowledgements only for rank 1's transfers
+        assert shm.HEADER_BYTES not in ranks[0][0] and 8 not in ranks[1][0]
+        assert shm.HEADER_BYTES in ranks[1][0] and 8 in ranks[0][0]
     stored = sum(b.nbytes for t in cp.read_metadata(tmp_path / "ckpt").tensors.values() for b in t.boxes)
     assert sum(r[2] for r in ranks) == stored  # each byte read once
     assert set(os.listdir(shm.SHM_DIR)) == before  # no segment outlives the load
