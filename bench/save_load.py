@@ -14,7 +14,7 @@ same layout, into another layout at the same world size (FSDP2 sharding columns 
 every rank needs part of every file) and into one plain process (2 -> 1). Every load is checked
 bit for bit. Each checkpoint is deleted after use.
 
-Run: .venv/bin/python bench/save_load.py            (about 32 minutes here)
+Run: .venv/bin/python bench/save_load.py            (about 20 minutes here)
      .venv/bin/python bench/save_load.py --params-m 8 --reps 1   (a quick smoke run)
 """
 from __future__ import annotations
