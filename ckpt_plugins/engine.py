@@ -68,10 +68,10 @@ class StagedWrite:
         """Copy every item into `buffer` (>= self.nbytes). Afterwards the sources may change.
 
         Contiguous host tensors are copied as byte pieces by `threads` threads with streaming
-        stores (`hostmem.stream_copy`, the GIL released): one `copy_` per tensor forks and joins torch's
-        thread pool every time, which ranks sharing few cores turned into a 2-5x slower snapshot
-        here. Other sources (device
-        tensors, strided views, encoded objects) are copied by this thread, in order.
+        stores (`hostmem.stream_copy`, the GIL released): one `copy_` per tensor forks and joins
+        torch's thread pool every time, which ranks sharing few cores turned into a 2-5x slower
+        snapshot here. Other sources (device tensors, strided views, encoded objects) are copied
+        by this thread, in order.
         """
         self.buffer = buffer
         try:
@@ -442,13 +442,12 @@ def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, rank, gr
             t = job.transfer
             if t is not None:
                 payloads = {g: job.payload(g) for _, g in job.remote}
-                if job.local:
-                    header = segment.header(job.memory.data_ptr() - segment.tensor.data_ptr())
-                    acks = [torch.empty(1, dtype=torch.int64) for _ in job.local]
-                    job.keep = [header, acks]
+                header = segment.header(job.memory.data_ptr() - segment.tensor.data_ptr()) if job.local else None
+                acks = [torch.empty(1, dtype=torch.int64) for _ in job.local]
+                job.keep = [header, acks]
                 with send_lock:
                     job.works = [dist.isend(payloads[g], group=group, group_dst=r, tag=t.tag) for r, g in job.remote]
-                    for r, ack in zip(job.local, acks if job.local else []):
+                    for r, ack in zip(job.local, acks):
                         job.works += [dist.isend(header, group=group, group_dst=r, tag=t.tag),
                                       dist.irecv(ack, group=group, group_src=r, tag=t.tag)]
             if job.dest is None:
@@ -567,7 +566,7 @@ class _Ring:
     """
 
     BYTES = 64 << 20  # unless one range needs more
-    ALIGN = 4096  # ranges start page aligned: reads into them can bypass the page cache
+    ALIGN = hostmem.PAGE  # ranges start page aligned: reads into them can bypass the page cache
 
     def __init__(self, sizes: Sequence[int], memory: Optional[torch.Tensor] = None):
         """`memory` (at least `size_for(sizes)` bytes, page aligned): the ring's, else allocated."""

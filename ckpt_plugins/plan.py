@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .errors import LoadMismatchError
 from .format import CHUNK_BYTES, DATA_DIR, Metadata, StoredBox, TensorMeta, dtype_from_name
 from .fragment import Box, Shape, flat_offset, intersect
+from .hostmem import PAGE
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,7 @@ class SavePlan:
 
 
 ITEM_ALIGN = 64  # every item starts 64-byte aligned: typed views stay aligned
-# Items of PAGE_ITEM_BYTES or more start page aligned, so that loads read them with O_DIRECT
-# (at most 0.4% padding for them).
-PAGE_ALIGN, PAGE_ITEM_BYTES = 4096, 1 << 20
+PAGE_ITEM_BYTES = 1 << 20  # items this big start page aligned: loads read them with O_DIRECT (<= 0.4% padding)
 SPLIT_BYTES = 16 << 20  # replicated boxes are split into row ranges of at least this many bytes
 
 
@@ -72,7 +71,7 @@ def place(sizes: Sequence[int], names: Sequence[str]) -> Tuple[List[Tuple[str, i
     used: Dict[str, int] = {}
     for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         fill, f = heapq.heappop(heap)
-        align = PAGE_ALIGN if sizes[index] >= PAGE_ITEM_BYTES else ITEM_ALIGN
+        align = PAGE if sizes[index] >= PAGE_ITEM_BYTES else ITEM_ALIGN
         start = -(-fill // align) * align
         placed[index] = (names[f], start)
         used[names[f]] = start + sizes[index]

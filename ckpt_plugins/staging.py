@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import torch
 
-from .hostmem import PAGE as ALIGN, align_up, aligned_empty
+from .hostmem import align_up, aligned_empty
 
 
 class StagingSlot:

@@ -15,7 +15,7 @@ from typing import List, Optional
 import numpy as np
 
 from .errors import CorruptCheckpointError, UnsafePathError
-from .staging import ALIGN
+from .hostmem import PAGE as ALIGN
 
 
 class Writer(ABC):
@@ -206,6 +206,8 @@ class LocalStorage(Storage):
                 if exc.errno != errno.EINVAL:
                     raise
                 self.direct_io = False  # this filesystem refuses direct I/O
+        if done and done == len(view):  # all of it read directly
+            return
         fd = os.open(path, os.O_RDONLY)
         try:
             while done < len(view):
