@@ -1,5 +1,6 @@
 """ckpt_plugins: one parallelism-agnostic checkpoint core for Megatron, DeepSpeed and FSDP/HF."""
-from .api import Checkpointer, LoadResult, SaveHandle, SaveInfo, checkpointer, load, read_metadata, save
+from .api import (Checkpointer, LoadResult, SaveHandle, SaveInfo, checkpointer, is_checkpoint, load, read_metadata,
+                  save)
 from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, LoadMismatchError,
                      MetadataError, NotACheckpointError, SaveError, UnsafePathError)
 from .manager import CheckpointManager
@@ -8,7 +9,7 @@ from .rng import RNGState, rng_state, set_rng_state
 from .state import Handler, Ignore, LoadItems, PerRank, SaveItems, register_handler, tensor_fragments
 
 __all__ = [
-    "save", "load", "read_metadata", "checkpointer", "Checkpointer", "CheckpointManager", "SaveInfo", "SaveHandle", "LoadResult",
+    "save", "load", "read_metadata", "is_checkpoint", "checkpointer", "Checkpointer", "CheckpointManager", "SaveInfo", "SaveHandle", "LoadResult",
     "PerRank", "RNGState", "rng_state", "set_rng_state",
     "Fragment", "box_fragment", "flat_fragments", "flat_range_boxes", "tensor_fragments",
     "Handler", "Ignore", "SaveItems", "LoadItems", "register_handler",

@@ -10,10 +10,12 @@ from typing import Any, Dict
 
 import torch.distributed as dist
 
-from .checkpointer import Checkpointer, LoadResult, SaveHandle, SaveInfo, check_files, read_metadata
+from .checkpointer import Checkpointer
+from .committed import is_checkpoint, read_metadata
+from .results import LoadResult, SaveHandle, SaveInfo
 
 __all__ = ["save", "load", "checkpointer", "Checkpointer", "SaveInfo", "SaveHandle", "LoadResult",
-           "read_metadata", "check_files"]
+           "read_metadata", "is_checkpoint"]
 
 _checkpointers: Dict[Any, Checkpointer] = {}
 
@@ -39,7 +41,8 @@ def save(path, state: Dict[str, Any], *, process_group=None, **options):
     """Save `state` (modules, optimizers, tensors, objects) to `path`, collectively.
 
     Every rank of `process_group` calls it. By default it returns a SaveInfo once the checkpoint
-    is committed, raising SaveError on every rank if any rank failed (nothing is then committed).
+    is committed, raising the same SaveError on every rank, naming the failing ranks, if any rank
+    failed (nothing is then committed).
     `async_=True` returns a SaveHandle after the snapshot; `overlap=True` returns one at once.
     Other options: framework, layout, step, overwrite (see Checkpointer.save).
     """

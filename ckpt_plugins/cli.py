@@ -7,8 +7,8 @@ import sys
 from importlib.metadata import entry_points
 from typing import List
 
-from .checkpointer import check_files, read_metadata
-from .engine import read_checked
+from .committed import check_files, read_metadata
+from .engine.read import read_checked
 from .errors import CheckpointError, IncompleteCheckpointError
 from .format import Metadata
 from .storage import storage_for

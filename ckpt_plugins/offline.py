@@ -13,10 +13,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from . import lock
-from .checkpointer import check_files, prepare_destination, read_metadata
-from .engine import read_items
-from .format import DATA_DIR, METADATA_FILE, Metadata, ObjectMeta, chunk_checksums, dtype_name
+from .commit import Commit
+from .committed import check_files, read_metadata
+from .engine.read import read_items
+from .format import DATA_DIR, Metadata, ObjectMeta, chunk_checksums, dtype_name
 from .fragment import Fragment, sub_view
 from .objects import encode_object
 from .plan import TensorSpec, place, plan_load, plan_save
@@ -54,17 +54,14 @@ def write_checkpoint(path, fragments: Sequence[LazyFragment], objects: Optional[
     encoded = [(key, *encode_object(value)) for key, value in (objects or {}).items()]
     obj_file = f"{DATA_DIR}/r0-objects.bin"
     placed, obj_sizes = place([len(data) for _, _, data in encoded], [obj_file])
-    prepare_destination(storage, overwrite)
-    try:
-        return _write_all(storage, fragments, plan, encoded, placed, obj_sizes, obj_file, framework, layout, step,
+    with Commit.open(storage, overwrite) as commit:
+        return _write_all(commit, fragments, plan, encoded, placed, obj_sizes, obj_file, framework, layout, step,
                           progress)
-    finally:
-        lock.release(storage)
 
 
-def _write_all(storage, fragments, plan, encoded, placed, obj_sizes, obj_file, framework, layout, step,
+def _write_all(commit: Commit, fragments, plan, encoded, placed, obj_sizes, obj_file, framework, layout, step,
                progress) -> Metadata:
-    files = dict(plan.metadata.files)
+    storage, files = commit.storage, dict(plan.metadata.files)
     by_file: Dict[str, List] = {}
     for write, entry in zip(plan.writes[0], plan.stored[0]):
         by_file.setdefault(write.file, []).append((write.offset, write, entry))
@@ -92,7 +89,7 @@ def _write_all(storage, fragments, plan, encoded, placed, obj_sizes, obj_file, f
     metadata = Metadata(tensors=plan.metadata.tensors, objects=dict(sorted(object_meta.items())),
                         files=dict(sorted(files.items())), aliases=plan.metadata.aliases, framework=framework,
                         layout=dict(layout or {}), step=step, world_size=1, chunk_bytes=plan.metadata.chunk_bytes)
-    storage.put_atomic(METADATA_FILE, metadata.to_json())
+    commit.commit(metadata)
     return metadata
 
 

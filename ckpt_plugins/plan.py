@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import LoadMismatchError
-from .format import CHUNK_BYTES, DATA_DIR, Metadata, StoredBox, TensorMeta, dtype_from_name
+from .format import CHUNK_BYTES, DATA_DIR, Metadata, StoredBox, TensorMeta, dtype_from_name, dtype_name
 from .fragment import Box, Shape, flat_offset, intersect
 from .hostmem import PAGE
 
@@ -379,3 +379,10 @@ class LeastLoaded:
         while heap[0][0] != self.load[heap[0][1]]:
             heapq.heapreplace(heap, (self.load[heap[0][1]], heap[0][1]))
         return heap[0][1]
+
+
+def specs_of(fragments) -> List[TensorSpec]:
+    """The TensorSpecs of fragments: what planning needs of them, without their memory."""
+    return [TensorSpec(f.key, tuple(f.global_shape), dtype_name(f.dtype), tuple(f.offsets), tuple(f.lengths),
+                       tuple(f.sources), f.cast)
+            for f in fragments]

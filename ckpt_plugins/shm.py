@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"ckpt_plugins-\d+-[0-9a-f]{16}")
+_NAME = re.compile(r"ckpt_plugins-(\d+)-[0-9a-f]{16}")
 HEADER_BYTES = 128  # where a range lies: its offset (8 bytes) and the segment's path
 
 
@@ -34,6 +34,32 @@ def host_key() -> Optional[str]:
         return None
 
 
+def remove_stale() -> None:
+    """Remove the segments of processes on this host that are gone: a reader killed before every
+    rank attached could not remove its own."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m and not _alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 class Segment:
     """A /dev/shm file mapped into this process; `tensor` is its bytes (uint8). Its creator
     unlinks the name once the other ranks have attached (the memory lives while mapped)."""
@@ -43,6 +69,7 @@ class Segment:
 
     @classmethod
     def create(cls, nbytes: int) -> "Segment":
+        remove_stale()
         path = os.path.join(SHM_DIR, f"ckpt_plugins-{os.getpid()}-{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

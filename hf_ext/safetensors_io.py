@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ckpt_plugins.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from ckpt_plugins.checkpointer import read_object
+from ckpt_plugins.committed import read_object
 from ckpt_plugins.format import dtype_from_name, dtype_name
 from ckpt_plugins.offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
 from ckpt_plugins.plan import TensorSpec, choose_source

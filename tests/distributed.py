@@ -46,3 +46,31 @@ def run_env_ranks(world_size: int, fn, *args) -> None:
     """Like run_ranks, for frameworks that initialise torch.distributed themselves from the
     torchrun environment (the HF Trainer, accelerate, DeepSpeed)."""
     mp.spawn(_env_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def _lone_worker(rank, world_size, port, fn, args):
+    """A rank whose failure does not take the others down (run_ranks_until)."""
+    faulthandler.enable()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=120))
+    fn(rank, world_size, *args)
+
+
+def run_ranks_until(world_size: int, deadline: float, fn, *args) -> list:
+    """Run fn on each rank, letting each live or die on its own (a killed rank leaves the others
+    running); returns every process's exit code once all ended, killing any left at `deadline` s."""
+    import time
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_lone_worker, args=(r, world_size, port, fn, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    end = time.time() + deadline
+    for p in procs:
+        p.join(max(0.0, end - time.time()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]

@@ -141,7 +141,7 @@ class FailingStorage(LocalStorage):
 
 def failing_write_worker(rank, world, path):
     storage = FailingStorage(path) if rank == 1 else LocalStorage(path)
-    with pytest.raises(cp.SaveError, match=r"rank 1 failed to write: OSError: .*No space left on device "
+    with pytest.raises(cp.SaveError, match=r"rank 1: OSError: .*No space left on device "
                                            r"\(writing data/r1-0.bin"):
         cp.Checkpointer(threads=1).save(storage, {"model": model()})
     assert not os.path.exists(os.path.join(path, "metadata.json"))

@@ -98,7 +98,7 @@ def test_ckpt_backend_flag_saves_and_resumes_through_megatron_training_and_impor
     assert out.returncode == 0, out.stderr
     assert "iteration 2" in out.stdout
     from ckpt_plugins.offline import open_checkpoint, read_tensor
-    from ckpt_plugins.checkpointer import read_object
+    from ckpt_plugins.committed import read_object
     a_storage, a = open_checkpoint(os.path.join(ours, "iter_0000002"))
     b_storage, b = open_checkpoint(imported)
     trained = {k for k in a.tensors if k.split("/")[0] in ("model", "optim")}

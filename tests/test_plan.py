@@ -86,7 +86,7 @@ def test_read_once_assignment_reads_every_shared_range_once():
 
 
 def test_read_regions_are_the_payload_layout_and_contiguous_ones_need_no_packing():
-    from ckpt_plugins.engine import _needs_packing
+    from ckpt_plugins.engine.read import _needs_packing
     from ckpt_plugins.plan import read_regions
     stored = plan_save([[spec("w", (4, 6), (0, 0), (4, 6))]]).metadata
     cols, (read,) = spec("w", (4, 6), (0, 2), (4, 2)), plan_load(stored, [spec("w", (4, 6), (1, 0), (2, 6))]).reads

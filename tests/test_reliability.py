@@ -97,7 +97,7 @@ def disk_full_worker(rank, world, path):
     with pytest.raises(cp.SaveError, match="File too large") as err:
         cp.save(path, state)
     assert time.time() - t < 60
-    assert "nothing was committed" in str(err.value) and ".bin" in str(err.value)  # the rank's file named
+    assert "Nothing was committed" in str(err.value) and ".bin" in str(err.value)  # the rank's file named
     assert not os.path.exists(os.path.join(path, "metadata.json"))
 
 

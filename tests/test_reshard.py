@@ -249,7 +249,8 @@ def even_model(seed, dim):
 
 
 def rows_to_columns_worker(rank, world, path, out_path, shared_memory):
-    from ckpt_plugins import engine, shm
+    from ckpt_plugins import shm
+    from ckpt_plugins.engine.ring import Ring
     if shared_memory == "full on rank 0" and rank == 0:  # /dev/shm has no room for this rank's ring
         def full(nbytes):
             raise OSError(28, "No space left on device")
@@ -257,9 +258,9 @@ def rows_to_columns_worker(rank, world, path, out_path, shared_memory):
     model, opt = even_model(seed=1, dim=0)
     cp.save(path, {"model": model, "optim": opt})
     want = full_state(model, opt)  # collective
-    sent, rings, isend, init = [], [], dist.isend, engine._Ring.__init__
+    sent, rings, isend, init = [], [], dist.isend, Ring.__init__
     dist.isend = lambda tensor, *a, **k: (sent.append(tensor.numel() * tensor.element_size()), isend(tensor, *a, **k))[1]
-    engine._Ring.__init__ = lambda self, sizes, **kw: (init(self, sizes, **kw), rings.append(self.size))[0]
+    Ring.__init__ = lambda self, sizes, **kw: (init(self, sizes, **kw), rings.append(self.size))[0]
     model, opt = even_model(seed=2, dim=1)
     result = cp.Checkpointer(shared_memory=bool(shared_memory)).load(path, {"model": model, "optim": opt})
     got = full_state(model, opt)

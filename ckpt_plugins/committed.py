@@ -1,0 +1,59 @@
+"""What a committed checkpoint is, from the reader's side: its metadata (whose presence is the
+commit), its data files, its objects. Any storage backend."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .errors import CorruptCheckpointError, IncompleteCheckpointError, NotACheckpointError
+from .format import DATA_DIR, METADATA_FILE, Metadata, decode_metadata
+from .objects import decode_object
+from .storage import Storage, storage_for
+
+
+def _storage(path) -> Storage:
+    return path if isinstance(path, Storage) else storage_for(path)
+
+
+def is_checkpoint(path) -> bool:
+    """Whether `path` (a directory, an `s3://` prefix, any storage) holds a committed checkpoint.
+    Cheap: it only looks for the metadata file; `read_metadata` validates it."""
+    try:
+        return _storage(path).exists(METADATA_FILE)
+    except (OSError, ValueError):
+        return False
+
+
+def read_metadata(path) -> Metadata:
+    """The committed metadata at `path`, validated; raises a clear CheckpointError otherwise."""
+    storage = _storage(path)
+    try:
+        if storage.exists(METADATA_FILE):
+            return decode_metadata(storage.read_bytes(METADATA_FILE))
+        if storage.exists(DATA_DIR):
+            raise IncompleteCheckpointError(
+                f"{storage} is an incomplete checkpoint: its save never committed (no {METADATA_FILE}). "
+                "It cannot be loaded; load an earlier checkpoint and delete this one")
+        raise NotACheckpointError(f"{storage} is not a ckpt_plugins checkpoint (no {METADATA_FILE})")
+    except OSError as exc:
+        raise NotACheckpointError(f"{storage} cannot be read as a checkpoint: {exc}") from None
+
+
+def check_files(storage: Storage, metadata: Metadata) -> None:
+    """Every data file exists and is as long as the metadata says (truncation shows here)."""
+    for name, expected in metadata.files.items():
+        try:
+            size = storage.size(name)
+        except OSError:
+            raise CorruptCheckpointError(f"data file {name} of {storage} is missing") from None
+        if size < expected:
+            raise CorruptCheckpointError(f"data file {name} of {storage} is truncated: {size} bytes, "
+                                         f"the metadata needs {expected}")
+
+
+def read_object(storage: Storage, metadata: Metadata, key: str, rank: Optional[int]) -> Any:
+    """The object `key` (the replicated one, or rank `rank`'s), checksum-verified and decoded."""
+    from .engine.read import read_checked
+    entry = next(o for o in metadata.objects[key] if o.rank == rank)
+    data = read_checked(storage, key, entry.file, entry.offset, entry.nbytes, 0, entry.nbytes,
+                        entry.crc32c, metadata.chunk_bytes)
+    return decode_object(key, entry.encoding, bytes(data))

@@ -1,0 +1,140 @@
+"""One load: agree on what to read, read it (once per stored range across the ranks), finish.
+
+Two agreements carry every rank's failure: after the metadata, the handlers and the load plan
+(nothing has been touched yet), and after the data, the objects and the handlers' finish steps.
+Between them each rank keeps every promise of the read-once exchange even when its own part
+failed, so every rank reaches the second agreement and raises the same error.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from . import shm
+from .committed import check_files, read_metadata, read_object
+from .coordinator import Coordinator
+from .engine.read import read_items
+from .errors import LoadMismatchError
+from .failure import RankFailure
+from .plan import LoadPlan, Request, assign_transfers, candidate_keys, plan_load, read_request, resolve_key, specs_of
+from .results import LoadResult
+from .state import LoadItems, root_handler
+from .storage import Storage
+
+log = logging.getLogger("ckpt_plugins")
+_HOST = shm.host_key()
+
+
+@dataclass
+class LoadRequest:
+    """What one rank tells the others before any data moves."""
+    wanted: List[str] = field(default_factory=list)  # stored keys it uses
+    missing: List[str] = field(default_factory=list)
+    reads: List[Request] = field(default_factory=list)  # for the read-once assignment
+    host: Optional[str] = None  # ranks of one host exchange through shared memory
+
+
+class Load:
+    def __init__(self, storage: Storage, state: Dict[str, Any], coord: Coordinator, *, strict: bool,
+                 read_threads: int, shared_memory: bool):
+        self.storage, self.state, self.coord, self.strict = storage, state, coord, strict
+        self.read_threads, self.shared_memory = read_threads, shared_memory
+        self.what = f"load of {storage}"
+        self.items: Optional[LoadItems] = None
+
+    def run(self) -> LoadResult:
+        """Load in place; on any rank's failure, raise it on every rank and drop the state this
+        load created (optimizer moments)."""
+        try:
+            return self._run()
+        except BaseException:
+            for undo in self.items.undo if self.items is not None else []:
+                undo()
+            shm.remove_stale()  # a reader that was killed left its segment
+            raise
+
+    def _run(self) -> LoadResult:
+        coord = self.coord
+        coord.begin()
+        before = coord.collectives
+        failure, request, plan, metadata = None, LoadRequest(host=_HOST), None, None
+        try:
+            metadata = read_metadata(self.storage)
+            check_files(self.storage, metadata)
+            self.items = root_handler(self.state).load_items("", metadata)
+            specs = specs_of(self.items.fragments)
+            plan = plan_load(metadata, specs)
+            # every stored candidate of a wanted tensor counts as used: a bf16 weight is not left
+            # over when its fp32 master filled the model
+            items = self.items
+            request.wanted = sorted({resolve_key(metadata, k) for s in specs for k in candidate_keys(s)}
+                                    | {s.key for s in specs} | set(items.objects) | set(items.per_rank) | items.accepted)
+            request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects]
+            request.reads = [read_request(r) for r in plan.reads]
+        except Exception as exc:  # every rank must learn of it, or the others would wait forever
+            failure = RankFailure.of(coord.rank, exc)
+        requests: List[LoadRequest] = coord.agree(failure, request, what=self.what, then="Nothing was loaded")
+
+        stored = set(metadata.tensors) | set(metadata.objects) | set(metadata.aliases)
+        result = LoadResult(missing_keys=sorted({k for r in requests for k in r.missing}),
+                            unexpected_keys=sorted(stored - {k for r in requests for k in r.wanted}))
+        if self.strict and (result.missing_keys or result.unexpected_keys):
+            raise LoadMismatchError(_key_report(result))
+
+        failure = None
+        try:
+            result.read_bytes = self._read(plan, metadata, requests)
+            self._objects(metadata, result)
+            for finish in self.items.finish:
+                finish()
+        except Exception as exc:
+            failure = RankFailure.of(coord.rank, exc)
+        touched = self._touched(plan)
+        coord.agree(failure, what=self.what,
+                    then=f"On rank {coord.rank}, " + (f"these tensors may hold partly loaded data: "
+                                                      f"{_shown(touched)}" if touched else "no tensor was written"))
+        result.collectives = coord.collectives - before
+        return result
+
+    def _read(self, plan: LoadPlan, metadata, requests: List[LoadRequest]) -> int:
+        coord = self.coord
+        shared = assign_transfers([r.reads for r in requests])
+        mine = [read_request(r)[:2] for r in plan.reads]
+        transfers = {i: shared[key] for i, key in enumerate(mine) if key in shared}
+        hosts = [r.host for r in requests]
+        if not (shared and self.shared_memory and any(h is not None and hosts.count(h) > 1 for h in hosts)):
+            hosts = None
+        return read_items(self.storage, plan.reads, self.items.fragments,
+                          {k: m.dtype for k, m in metadata.tensors.items()}, metadata.chunk_bytes,
+                          self.read_threads, transfers, coord, hosts)
+
+    def _objects(self, metadata, result: LoadResult) -> None:
+        for key, setter in self.items.objects.items():
+            if key in metadata.objects:
+                setter(read_object(self.storage, metadata, key, None))
+        for key, setter in self.items.per_rank.items():
+            if any(o.rank == self.coord.rank for o in metadata.objects.get(key, [])):
+                setter(read_object(self.storage, metadata, key, self.coord.rank))
+            else:
+                result.kept_per_rank.append(key)
+                log.warning("%s: the checkpoint has no value saved by rank %d; keeping the current one",
+                            key, self.coord.rank)
+
+    def _touched(self, plan: LoadPlan) -> List[str]:
+        """Keys of this rank's live tensors the data phase may have written."""
+        frags = self.items.fragments
+        return sorted({frags[c.target].key for r in plan.reads for c in r.copies})
+
+
+def _shown(keys: List[str]) -> str:
+    return ", ".join(keys[:10]) + (f", ... ({len(keys)} in all)" if len(keys) > 10 else "")
+
+
+def _key_report(result: LoadResult) -> str:
+    parts = []
+    for what, keys in (("missing from the checkpoint", result.missing_keys),
+                       ("in the checkpoint but not in the state", result.unexpected_keys)):
+        if keys:
+            parts.append(f"keys {what}: {_shown(keys)}")
+    return "; ".join(parts) + ". Pass strict=False to load the rest and get these back."

@@ -1,0 +1,72 @@
+"""The save plan, cached across saves: while every rank's fragment structure is unchanged, a save
+costs one all-reduce of two flags (stale? failed?) instead of gathering specs and scattering a
+new plan."""
+from __future__ import annotations
+
+import hashlib
+import pickle
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .coordinator import Coordinator
+from .errors import SaveError
+from .failure import RankFailure, failure_error
+from .plan import SavePlan, TensorSpec, WriteItem, plan_save
+
+
+@dataclass
+class CachedPlan:
+    key: bytes
+    writes: List[WriteItem]  # this rank's
+    rank_bytes: int
+    plan: Optional[SavePlan]  # the coordinator's global plan (None elsewhere)
+    balance: float
+
+
+@dataclass
+class PlanReply:
+    """The coordinator's answer to one rank's specs."""
+    failure: Optional[RankFailure]
+    writes: List[WriteItem]
+    rank_bytes: int = 0
+    balance: float = 1.0
+
+
+class PlanCache:
+    def __init__(self, files_per_rank: int):
+        self.files_per_rank = files_per_rank
+        self.cached: Optional[CachedPlan] = None
+
+    def plan(self, coord: Coordinator, specs: List[TensorSpec], aliases: Dict[str, str],
+             failure: Optional[RankFailure], what: str,
+             meanwhile: Optional[Callable[[CachedPlan], None]] = None) -> Tuple[CachedPlan, bool]:
+        """(this rank's plan, whether it was cached). Every rank's `failure` reaches every rank
+        as one SaveError. `meanwhile(cached)` runs while the ranks agree, when this rank's own
+        cached plan holds (the caller may start copying with it)."""
+        key = hashlib.sha256(pickle.dumps((specs, sorted(aliases.items()), self.files_per_rank))).digest()
+        stale = self.cached is None or self.cached.key != key
+        run = None
+        if meanwhile is not None and not stale and failure is None:
+            run = lambda: meanwhile(self.cached)  # noqa: E731
+        any_stale, any_failed = coord.any_flags([int(stale), int(failure is not None)], meanwhile=run)
+        then = "Nothing was saved"
+        if any_failed:
+            coord.agree(failure, what=what, then=then, default=SaveError)
+        if not any_stale:
+            return self.cached, True
+        gathered = coord.gather((specs, aliases, key))
+        replies = None
+        if coord.is_coordinator:
+            try:
+                plan = plan_save([g[0] for g in gathered], files_per_rank=self.files_per_rank,
+                                 aliases={k: v for g in gathered for k, v in g[1].items()},
+                                 digests=[g[2] for g in gathered])
+                replies = [PlanReply(None, w, plan.rank_bytes[r], plan.balance) for r, w in enumerate(plan.writes)]
+            except Exception as exc:
+                replies = [PlanReply(RankFailure.of(coord.rank, exc), [])] * coord.world_size
+        reply: PlanReply = coord.scatter(replies)
+        if reply.failure is not None:
+            raise failure_error([reply.failure], f"planning {what}", then, SaveError)
+        self.cached = CachedPlan(key, reply.writes, reply.rank_bytes, plan if coord.is_coordinator else None,
+                                 reply.balance)
+        return self.cached, False

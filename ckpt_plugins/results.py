@@ -1,0 +1,70 @@
+"""What saves and loads return: SaveInfo, LoadResult, and the SaveHandle of an in-flight save."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class SaveInfo:
+    """What a save did, on this rank: bytes, the plan's balance, collectives, timings (s)."""
+    rank_bytes: int = 0
+    total_bytes: int = 0
+    balance: float = 1.0  # max/mean bytes written per rank
+    plan_cached: bool = False
+    collectives: int = 0  # foreground (planning) collectives of this save
+    timings: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class LoadResult:
+    missing_keys: List[str] = field(default_factory=list)
+    unexpected_keys: List[str] = field(default_factory=list)
+    kept_per_rank: List[str] = field(default_factory=list)  # per-rank objects no rank like ours saved
+    read_bytes: int = 0  # bytes this rank read from storage
+    collectives: int = 0
+
+
+class SaveHandle:
+    """An in-flight save. `wait_snapshot()` before mutating the saved state; `wait()` for the commit."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.info = SaveInfo()
+        self._snapshot = threading.Event()
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+
+    def snapshot_taken(self) -> None:
+        self._snapshot.set()
+
+    def succeed(self) -> None:
+        self._done.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self._error = self._error or exc
+        self._snapshot.set()
+        self._done.set()
+
+    def wait_snapshot(self) -> None:
+        """Block until the saved tensors have been copied; then training may modify them."""
+        self._snapshot.wait()
+        if self._error is not None and not self._done.is_set():
+            raise self._error
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> SaveInfo:
+        """Block until committed; raises the save's error (on every rank, naming the failing ranks)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save to {self.path} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.info
+
+    def wait_quietly(self) -> None:
+        """Wait, leaving the error to the handle's own `wait()` (a later save to the same path
+        must not start under this one)."""
+        self._done.wait()

@@ -1,0 +1,201 @@
+"""Fault injection for the fault matrix: each phase of a save or load, each kind of fault, armed
+in one rank's process by patching the function that phase runs (test code only)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+
+import ckpt_plugins as cp
+from ckpt_plugins.fragment import box_fragment
+from ckpt_plugins.state import LoadItems, SaveItems
+
+SAVE_PHASES = ("plan", "snapshot", "write", "commit")
+LOAD_PHASES = ("metadata", "load_plan", "own_read", "shared_read", "exchange", "finish")
+ROWS, COLS = 16, 512  # the own tensor: ROWS rows per rank; the replicated one: 4 * ROWS rows
+
+
+@dataclass(frozen=True)
+class Case:
+    phase: str
+    fault: str  # exception | storage | corrupt | kill
+    rank: int  # the rank the fault is armed on (every rank for a shared read: whoever reads it)
+    mode: str = "sync"  # sync | async | overlap (saves)
+
+    @property
+    def cause(self) -> str:
+        """What every rank's error must say about the cause."""
+        return {"exception": "injected fault", "storage": "injected storage error",
+                "corrupt": "checksum mismatch" if self.phase.endswith("read") else "metadata"}[self.fault]
+
+
+class Armed:
+    """The hook of the state: a save's plan and a load's finish step run through it."""
+
+    def __init__(self):
+        self.plan: Optional[Callable[[], None]] = None
+        self.finish: Optional[Callable[[], None]] = None
+
+    def save_items(self, prefix):
+        if self.plan:
+            self.plan()
+        return SaveItems()
+
+    def load_items(self, prefix, metadata):
+        return LoadItems(finish=[self.finish] if self.finish else [])
+
+
+class Rows(cp.Handler):
+    """Rank r's own rows of a (world * ROWS, COLS) tensor: read by that rank alone."""
+
+    def __init__(self, tensor: torch.Tensor, rank: int, world: int):
+        self.tensor, self.rank, self.world = tensor, rank, world
+
+    def _frags(self, prefix):
+        return [box_fragment(prefix, (self.world * ROWS, COLS), (self.rank * ROWS, 0), self.tensor)]
+
+    def save_items(self, prefix):
+        return SaveItems(fragments=self._frags(prefix))
+
+    def load_items(self, prefix, metadata):
+        return LoadItems(fragments=self._frags(prefix))
+
+
+class Hook(cp.Handler):
+    def __init__(self, armed: Armed):
+        self.armed = armed
+
+    def save_items(self, prefix):
+        return self.armed.save_items(prefix)
+
+    def load_items(self, prefix, metadata):
+        return self.armed.load_items(prefix, metadata)
+
+
+def values(rank: int, world: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    rep = torch.randn(4 * ROWS, COLS, generator=g)
+    own = torch.randn(world * ROWS, COLS, generator=g)[rank * ROWS:(rank + 1) * ROWS].clone()
+    return rep, own
+
+
+def state(rank: int, world: int, seed: int, armed: Armed):
+    rep, own = values(rank, world, seed)
+    # a strided destination: what other ranks pass on lands in a buffer and is copied from there
+    rep = rep.t().contiguous().t()
+    return {"rep": rep, "own": Rows(own, rank, world), "hook": Hook(armed)}, (rep, own)
+
+
+def act(case: Case, mark: str) -> None:
+    """The fault itself. A killed rank first notes when it died."""
+    if case.fault == "kill":
+        with open(mark, "w") as f:
+            f.write(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if case.fault == "storage":
+        raise OSError(errno.EIO, f"injected storage error in {case.phase}")
+    raise RuntimeError(f"injected fault in {case.phase}")
+
+
+def stored_range(path: str, key: str, rank_rows: Optional[int] = None):
+    """(file, first byte, end byte) of `key`'s stored box (the one holding row `rank_rows`)."""
+    meta = cp.read_metadata(path).tensors[key]
+    for box in meta.boxes:
+        if rank_rows is None or box.offsets[0] <= rank_rows < box.offsets[0] + box.lengths[0]:
+            return box.file, box.offset, box.offset + box.nbytes
+    raise KeyError(key)
+
+
+def flip(path: str, where) -> None:
+    file, start, _ = where
+    with open(os.path.join(path, file), "r+b") as f:
+        f.seek(start + 7)
+        byte = f.read(1)
+        f.seek(start + 7)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+def arm(case: Case, rank: int, world: int, armed: Armed, path: str, mark: str) -> List[Callable[[], None]]:
+    """Arm `case` in this process (a no-op on ranks it does not concern); returns the disarms.
+    `path`: the checkpoint a load case reads (corruptions are made by rank 0 before the load)."""
+    from ckpt_plugins import hostmem, shm, storage
+    from ckpt_plugins.engine import read as engine_read
+    from ckpt_plugins import loading as load_module
+
+    undo: List[Callable[[], None]] = []
+    mine = rank == case.rank or case.phase == "shared_read"
+
+    def patch(owner, name, make):
+        original = getattr(owner, name)
+        setattr(owner, name, make(original))
+        undo.append(lambda: setattr(owner, name, original))
+
+    def faulty(original):
+        return lambda *a, **k: act(case, mark)
+
+    if case.fault == "corrupt":
+        if rank == 0:
+            if case.phase == "metadata":
+                meta = os.path.join(path, "metadata.json")
+                with open(meta, "rb") as f:
+                    good = f.read()
+                with open(meta, "wb") as f:
+                    f.write(good[:len(good) // 2])
+
+                def restore():
+                    with open(meta, "wb") as f:
+                        f.write(good)
+                undo.append(restore)
+            else:
+                where = stored_range(path, "own", case.rank * ROWS) if case.phase == "own_read" else \
+                    stored_range(path, "rep")
+                flip(path, where)
+                undo.append(lambda: flip(path, where))
+        return undo
+    if not mine:
+        return undo
+    phase = case.phase
+    if phase == "plan":
+        armed.plan = lambda: act(case, mark)
+        undo.append(lambda: setattr(armed, "plan", None))
+    elif phase == "finish":
+        armed.finish = lambda: act(case, mark)
+        undo.append(lambda: setattr(armed, "finish", None))
+    elif phase == "snapshot":
+        patch(hostmem, "stream_copy", faulty)
+    elif phase == "write":
+        patch(storage._FileWriter, "write", faulty)
+    elif phase == "commit":
+        patch(storage.LocalStorage, "put_atomic", lambda original: lambda self, name, data: (
+            act(case, mark) if name == "metadata.json" else original(self, name, data)))
+    elif phase == "metadata":
+        patch(storage.LocalStorage, "read_bytes", lambda original: lambda self, name: (
+            act(case, mark) if name == "metadata.json" else original(self, name)))
+    elif phase == "load_plan":
+        patch(load_module, "plan_load", faulty)
+    elif phase in ("own_read", "shared_read"):
+        file, start, end = stored_range(path, "own", case.rank * ROWS) if phase == "own_read" else \
+            stored_range(path, "rep")
+
+        def reading(original):
+            def read_into(self, name, offset, buffer):
+                if name == file and start <= offset < end:
+                    act(case, mark)
+                return original(self, name, offset, buffer)
+            return read_into
+        patch(storage.LocalStorage, "read_into", reading)
+    elif phase == "exchange":  # this rank is a needer: it fails taking what the reader passed on
+        patch(shm.Attached, "locate", faulty)
+        patch(engine_read._Receive, "_copy", faulty)
+    return undo
+
+
+def report(path: str, **fields) -> None:
+    with open(path, "w") as f:
+        json.dump(fields, f)
