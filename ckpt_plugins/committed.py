@@ -57,3 +57,12 @@ def read_object(storage: Storage, metadata: Metadata, key: str, rank: Optional[i
     data = read_checked(storage, key, entry.file, entry.offset, entry.nbytes, 0, entry.nbytes,
                         entry.crc32c, metadata.chunk_bytes)
     return decode_object(key, entry.encoding, bytes(data))
+
+
+def read_pointer(root, name: str) -> Optional[str]:
+    """The text of the small file `name` under `root` (a framework's "latest" pointer: Megatron's
+    tracker, DeepSpeed's `latest`), stripped; None when there is none. Any storage backend."""
+    storage = _storage(root)
+    if not storage.exists(name):
+        return None
+    return storage.read_bytes(name).decode(errors="replace").strip()

@@ -1,14 +1,15 @@
 """Fragments: the one description of a piece of training state that every framework maps onto.
 
 A fragment is a regular n-D box of a canonical global tensor plus a view of the rank's memory
-holding it. Irregular flat shards (ZeRO / FSDP1 / distributed-optimizer partitions) become a few
-boxes through `flat_range_boxes`; padding is clipped away by `box_fragment`.
+holding it. Irregular flat shards (ZeRO / FSDP1 / distributed-optimizer partitions) are
+`FlatPiece`s of packed buffers and become a few boxes each (`flat_views`, `piece_fragments`);
+padding is clipped away by `box_fragment`.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -107,6 +108,25 @@ def flat_offset(shape: Sequence[int], offsets: Sequence[int]) -> int:
     return index
 
 
+@dataclass(frozen=True)
+class FlatPiece:
+    """Elements [start, start + numel) of the row-major tensor `name` (of `shape`) lie at
+    [offset, offset + numel) of a flat buffer: the unit of every packed layout (ZeRO partitions,
+    FSDP1 flat parameters, Megatron's distributed-optimizer buffers)."""
+    name: str
+    shape: Shape
+    offset: int
+    numel: int
+    start: int
+
+
+def flat_views(shape: Sequence[int], start: int, numel: int, offset: int = 0) -> List[Tuple[Box, int]]:
+    """The boxes of elements [start, start + numel) of a tensor of `shape`, each with the position
+    where it begins in a flat buffer that holds those elements from `offset` on."""
+    shape = tuple(int(s) for s in shape)
+    return [((o, n), flat_offset(shape, o) - start + offset) for o, n in flat_range_boxes(shape, start, start + numel)]
+
+
 def flat_fragments(key: str, global_shape: Sequence[int], flat: torch.Tensor,
                    start: int, end: Optional[int] = None) -> List[Fragment]:
     """Fragments for a rank that owns elements [start, end) of `key`, held in the 1-D `flat`.
@@ -118,12 +138,18 @@ def flat_fragments(key: str, global_shape: Sequence[int], flat: torch.Tensor,
     end = start + flat.numel() if end is None else end
     if end - start > flat.numel():
         raise ValueError(f"{key}: range [{start}, {end}) is longer than its buffer ({flat.numel()})")
-    global_shape = tuple(int(s) for s in global_shape)
+    return piece_fragments([FlatPiece(key, tuple(global_shape), 0, end - start, start)], flat)
+
+
+def piece_fragments(pieces: Sequence[FlatPiece], flat: torch.Tensor,
+                    key_of: Callable[[str], str] = lambda name: name) -> List[Fragment]:
+    """Fragments of the 1-D buffer `flat` for every piece it holds, under the keys `key_of(name)`;
+    each local is a zero-copy view of `flat`. Alignment gaps between pieces are never stored."""
     frags = []
-    for offsets, lengths in flat_range_boxes(global_shape, start, end):
-        begin = flat_offset(global_shape, offsets) - start
-        view = flat[begin:begin + math.prod(lengths)].view(lengths)
-        frags.append(Fragment(key, global_shape, flat.dtype, offsets, view))
+    for p in pieces:
+        for (offsets, lengths), begin in flat_views(p.shape, p.start, p.numel, p.offset):
+            view = flat[begin:begin + math.prod(lengths)].view(lengths)
+            frags.append(Fragment(key_of(p.name), tuple(p.shape), flat.dtype, offsets, view))
     return frags
 
 
@@ -147,18 +173,12 @@ def sub_view(tensor: torch.Tensor, tensor_offsets: Sequence[int], box: Box) -> t
     return view
 
 
-def packed_fragments(entries: Sequence[Tuple[str, Sequence[int], int]], local: torch.Tensor,
-                     start: int) -> List[Fragment]:
-    """Fragments for a rank owning `local` = elements [start, start + len) of a packed buffer.
-
-    `entries` lists (key, shape, offset) of the tensors packed into the buffer (ZeRO partitions,
-    FSDP1 flat parameters, Megatron's distributed-optimizer buffers). Each tensor the range
-    touches yields its flat-range boxes; alignment gaps between tensors are never stored.
-    """
-    end = start + local.numel()
-    frags: List[Fragment] = []
-    for key, shape, offset in entries:
+def packed_pieces(entries: Sequence[Tuple[str, Sequence[int], int]], start: int, end: int) -> List[FlatPiece]:
+    """The pieces of a rank owning elements [start, end) of a packed buffer that holds each
+    (name, shape, offset) of `entries` from its offset on; piece offsets are relative to `start`."""
+    pieces = []
+    for name, shape, offset in entries:
         lo, hi = max(start, offset), min(end, offset + math.prod(shape))
         if lo < hi:
-            frags += flat_fragments(key, shape, local[lo - start:hi - start], lo - offset, hi - offset)
-    return frags
+            pieces.append(FlatPiece(name, tuple(int(s) for s in shape), lo - start, hi - lo, lo - offset))
+    return pieces

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -145,9 +145,3 @@ def read_tensor(storage: Storage, metadata: Metadata, key: str, dtype: Optional[
     read_items(storage, plan.reads, [frag], {k: m.dtype for k, m in metadata.tensors.items()},
                metadata.chunk_bytes, threads)
     return out
-
-
-def tensor_sources(fragments: Iterable[Fragment]) -> List[LazyFragment]:
-    """LazyFragments for fragments already in memory."""
-    return [LazyFragment(f.key, f.global_shape, f.dtype, f.offsets, f.lengths, lambda f=f: f.local)
-            for f in fragments]

@@ -24,6 +24,14 @@ class CachedPlan:
 
 
 @dataclass
+class PlanRequest:
+    """What one rank tells the coordinator when some rank's cached plan is stale."""
+    specs: List[TensorSpec]
+    aliases: Dict[str, str]
+    digest: bytes
+
+
+@dataclass
 class PlanReply:
     """The coordinator's answer to one rank's specs."""
     failure: Optional[RankFailure]
@@ -54,13 +62,13 @@ class PlanCache:
             coord.agree(failure, what=what, then=then, default=SaveError)
         if not any_stale:
             return self.cached, True
-        gathered = coord.gather((specs, aliases, key))
+        gathered: List[PlanRequest] = coord.gather(PlanRequest(specs, aliases, key))
         replies = None
         if coord.is_coordinator:
             try:
-                plan = plan_save([g[0] for g in gathered], files_per_rank=self.files_per_rank,
-                                 aliases={k: v for g in gathered for k, v in g[1].items()},
-                                 digests=[g[2] for g in gathered])
+                plan = plan_save([g.specs for g in gathered], files_per_rank=self.files_per_rank,
+                                 aliases={k: v for g in gathered for k, v in g.aliases.items()},
+                                 digests=[g.digest for g in gathered])
                 replies = [PlanReply(None, w, plan.rank_bytes[r], plan.balance) for r, w in enumerate(plan.writes)]
             except Exception as exc:
                 replies = [PlanReply(RankFailure.of(coord.rank, exc), [])] * coord.world_size

@@ -19,7 +19,7 @@ from torch import nn
 
 from .errors import LoadMismatchError
 from .format import Metadata
-from .fragment import Fragment, box_fragment
+from .fragment import FlatPiece, Fragment, box_fragment, piece_fragments
 from .hostmem import advise_huge_pages
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,6 @@ WRAPPER_COMPONENTS = ("_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_
 # the training dtype, `optim/<param>/<state>` the optimizer's, and `optim/<param>/master` the fp32
 # master weights of mixed-precision frameworks (stored only where they differ from the weights).
 MODEL, OPTIM, MASTER = "model", "optim", "master"
-# The object holding the model's HF config.json text, when a save knows it: exports write it out.
-HF_CONFIG = "hf_config"
 
 
 def master_key(name: str) -> str:
@@ -228,6 +226,12 @@ class ParamLayout:
     names: Tuple[str, ...]
     shapes: Tuple[Tuple[int, ...], ...]
     fragments: Callable[[torch.Tensor, Callable[[str], str]], List[Fragment]]
+
+
+def flat_layout(names: Tuple[str, ...], shapes: Tuple[Tuple[int, ...], ...], pieces: List[FlatPiece]) -> ParamLayout:
+    """A flat buffer packing pieces of the canonical parameters `names` (a ZeRO partition, an
+    FSDP1 flat parameter's shard)."""
+    return ParamLayout(names, shapes, lambda t, key_of: piece_fragments(pieces, t, key_of))
 
 
 def plain_layout(name: str, param: torch.Tensor) -> ParamLayout:

@@ -16,7 +16,8 @@ import os
 from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.format import METADATA_FILE
+from ckpt_plugins.committed import read_pointer
+from ckpt_plugins.format import DATA_DIR
 from ckpt_plugins.state import Handler, LoadItems, SaveItems
 from ckpt_plugins.storage import storage_for
 
@@ -106,14 +107,12 @@ class Hooks:
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         engine = self.engine
         if tag is None:
-            latest = os.path.join(load_dir, LATEST)
-            if not os.path.isfile(latest):
+            tag = read_pointer(load_dir, LATEST)
+            if tag is None:
                 log.warning("no %s file in %s: pass an explicit tag to load a checkpoint", LATEST, load_dir)
                 return None, None
-            with open(latest) as f:
-                tag = f.read().strip()
         path = os.path.join(load_dir, str(tag))
-        if not os.path.isfile(os.path.join(path, METADATA_FILE)) and not os.path.isdir(os.path.join(path, "data")):
+        if not cp.is_checkpoint(path) and not storage_for(path).exists(DATA_DIR):  # not ours: DeepSpeed's own
             return self.native_load(load_dir, tag, load_module_strict, load_optimizer_states,
                                     load_lr_scheduler_states, load_module_only, custom_load_fn)
         full = not load_module_only

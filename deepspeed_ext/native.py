@@ -20,7 +20,7 @@ import torch
 
 from ckpt_plugins.errors import CorruptCheckpointError, NotACheckpointError
 from ckpt_plugins.foreign import StandIn, load_torch_inert
-from ckpt_plugins.fragment import flat_offset, flat_range_boxes
+from ckpt_plugins.fragment import flat_views
 from ckpt_plugins.offline import LazyFragment, write_checkpoint
 from ckpt_plugins.state import MASTER, MODEL, OPTIM, DictHandler, canonical_name
 
@@ -51,12 +51,9 @@ def _rank_files(ckpt_dir: str, pattern: str) -> List[str]:
 
 def _flat_pieces(key: str, shape, dtype, flat_of, offset: int, numel: int, start: int) -> List[LazyFragment]:
     """LazyFragments for elements [start, start + numel) of `key`, held from `offset` on in flat_of()."""
-    out = []
-    for offs, lens in flat_range_boxes(shape, start, start + numel):
-        begin = flat_offset(shape, offs) - start + offset
-        out.append(LazyFragment(key, tuple(shape), dtype, offs, lens,
-                                lambda b=begin, n=math.prod(lens), l=lens: flat_of().narrow(0, b, n).view(l)))
-    return out
+    return [LazyFragment(key, tuple(shape), dtype, offs, lens,
+                         lambda b=begin, n=math.prod(lens), l=lens: flat_of().narrow(0, b, n).view(l))
+            for (offs, lens), begin in flat_views(shape, start, numel, offset)]
 
 
 class NativeCheckpoint:

@@ -13,35 +13,16 @@ per flat partition, so they are stored per canonical parameter like every other 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ckpt_plugins.format import Metadata
-from ckpt_plugins.fragment import Fragment, flat_fragments
+from ckpt_plugins.fragment import FlatPiece, Fragment, flat_fragments
 from ckpt_plugins.state import (MASTER, MODEL, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
-                                SaveItems, add_master_sources, canonical_name, plain_layout, tensor_fragments)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Elements [start, start + numel) of parameter `name` sit at [offset, offset + numel) of a flat buffer."""
-    name: str
-    shape: Tuple[int, ...]
-    offset: int
-    numel: int
-    start: int
-
-
-def flat_layout(names: Tuple[str, ...], shapes: Tuple[Tuple[int, ...], ...], pieces: List[Piece]) -> ParamLayout:
-    def fragments(tensor: torch.Tensor, key_of) -> List[Fragment]:
-        out: List[Fragment] = []
-        for p in pieces:
-            out += flat_fragments(key_of(p.name), p.shape, tensor.narrow(0, p.offset, p.numel), p.start)
-        return out
-    return ParamLayout(names, shapes, fragments)
+                                SaveItems, add_master_sources, canonical_name, flat_layout, plain_layout,
+                                tensor_fragments)
 
 
 def _stage3_range(param) -> Tuple[int, int]:
@@ -98,14 +79,14 @@ class ZeroState:
             raise NotImplementedError(f"deepspeed_ext cannot map DeepSpeed's {type(wrapper).__name__} (the fused "
                                       "FP16_Optimizer needs FusedAdam); use ZeRO stage 1-3 or a torch optimizer")
 
-    def _group_layout(self, params, pieces: List[Piece]) -> ParamLayout:
+    def _group_layout(self, params, pieces: List[FlatPiece]) -> ParamLayout:
         names = tuple(self.names[id(p)] for p in params)
         shapes = tuple(tuple(getattr(p, "ds_shape", p.shape)) for p in params)
         return flat_layout(names, shapes, pieces)
 
     def _hp_mapped(self, lp_groups, flat_partitions) -> None:
         for params, flat in zip(lp_groups, flat_partitions):
-            pieces = [Piece(self.names[id(p)], tuple(p.shape), p._hp_mapping.hp_fragment_address.start,
+            pieces = [FlatPiece(self.names[id(p)], tuple(p.shape), p._hp_mapping.hp_fragment_address.start,
                             p._hp_mapping.hp_fragment_address.numel, p._hp_mapping.lp_fragment_address.start)
                       for p in params if getattr(p, "_hp_mapping", None) is not None]
             self.layouts[id(flat)] = self._group_layout(params, pieces)
@@ -121,7 +102,7 @@ class ZeroState:
             for p in params:
                 _, offset, _ = wrapper.grad_position[wrapper.get_param_id(p)]
                 start, numel = _stage3_range(p)
-                pieces.append(Piece(self.names[id(p)], tuple(p.ds_shape), offset, numel, start))
+                pieces.append(FlatPiece(self.names[id(p)], tuple(p.ds_shape), offset, numel, start))
             self.layouts[id(flat)] = self._group_layout(params, pieces)
             self.masters.append(flat)
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any, Dict
 
 import ckpt_plugins as cp
-from ckpt_plugins.state import HF_CONFIG
+
+from .safetensors_io import HF_CONFIG
 
 
 class _Counters:

@@ -16,40 +16,27 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from ckpt_plugins.format import Metadata
-from ckpt_plugins.fragment import Fragment, flat_fragments
+from ckpt_plugins.fragment import FlatPiece, Fragment, flat_fragments
 from ckpt_plugins.state import (Handler, LoadItems, ParamLayout, SaveItems, add_master_sources, canonical_name,
-                                plain_layout, tensor_fragments)
-
-Piece = Tuple[str, Tuple[int, ...], int, int, int]  # name, shape, offset in shard, numel, start in param
+                                flat_layout, plain_layout, tensor_fragments)
 
 
 def _join(*parts: str) -> str:
     return canonical_name(".".join(p for p in parts if p))
 
 
-def _pieces(flat_param, prefix: str) -> List[Piece]:
-    """(canonical name, shape, offset in the local shard, numel, first element in the parameter)
-    of every original parameter this rank holds part of."""
-    out = []
-    for fqn, shape, info in zip(flat_param._fqns, flat_param._shapes, flat_param._shard_param_infos):
-        if info.in_shard:
-            out.append((_join(prefix, fqn), tuple(shape), info.offset_in_shard, info.numel_in_shard,
-                        info.intra_param_start_idx))
-    return out
+def _pieces(flat_param, prefix: str) -> List[FlatPiece]:
+    """The pieces of every original parameter this rank's shard holds part of."""
+    return [FlatPiece(_join(prefix, fqn), tuple(shape), info.offset_in_shard, info.numel_in_shard,
+                      info.intra_param_start_idx)
+            for fqn, shape, info in zip(flat_param._fqns, flat_param._shapes, flat_param._shard_param_infos)
+            if info.in_shard]
 
 
 def _flat_layout(flat_param, prefix: str) -> ParamLayout:
     """A flat parameter (use_orig_params=False): a tensor shaped like its local shard."""
-    names = tuple(_join(prefix, f) for f in flat_param._fqns)
-    pieces = _pieces(flat_param, prefix)
-
-    def fragments(tensor: torch.Tensor, key_of) -> List[Fragment]:
-        frags: List[Fragment] = []
-        for name, shape, offset, numel, start in pieces:
-            frags += flat_fragments(key_of(name), shape, tensor[offset:offset + numel], start)
-        return frags
-
-    return ParamLayout(names, tuple(tuple(s) for s in flat_param._shapes), fragments)
+    return flat_layout(tuple(_join(prefix, f) for f in flat_param._fqns),
+                       tuple(tuple(s) for s in flat_param._shapes), _pieces(flat_param, prefix))
 
 
 def _orig_layout(name: str, shape: Tuple[int, ...], start: int) -> ParamLayout:

@@ -36,14 +36,14 @@ from typing import Any, Dict, Optional
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.format import METADATA_FILE
-from ckpt_plugins.state import HF_CONFIG
+
+from .safetensors_io import HF_CONFIG
 
 log = logging.getLogger("hf_ext.trainer")
 
 
 def is_ckpt_plugins_checkpoint(path: Optional[str]) -> bool:
-    return path is not None and os.path.isfile(os.path.join(path, METADATA_FILE))
+    return path is not None and cp.is_checkpoint(path)
 
 
 class _Integration:

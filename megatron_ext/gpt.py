@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt_plugins.format import Metadata
-from ckpt_plugins.fragment import Fragment, flat_offset, flat_range_boxes, intersect, sub_view
+from ckpt_plugins.fragment import Fragment, flat_views, intersect, sub_view
 from ckpt_plugins.state import (MASTER, MODEL, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
                                 SaveItems, add_master_sources)
 
@@ -31,10 +31,8 @@ def _pieces(segments: Sequence[Segment], local_shape, tensor: torch.Tensor,
     if start is None:
         boxes = [((0,) * len(local_shape), tuple(local_shape), tensor)]
     else:
-        boxes = []
-        for offsets, lengths in flat_range_boxes(local_shape, start, start + tensor.numel()):
-            begin = flat_offset(local_shape, offsets) - start
-            boxes.append((offsets, lengths, tensor[begin:begin + math.prod(lengths)].view(lengths)))
+        boxes = [(offsets, lengths, tensor[begin:begin + math.prod(lengths)].view(lengths))
+                 for (offsets, lengths), begin in flat_views(local_shape, start, tensor.numel())]
     for seg in segments:
         for offsets, lengths, view in boxes:
             inter = intersect((offsets, lengths), seg.local)

@@ -25,7 +25,7 @@ import os
 from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.format import METADATA_FILE
+from ckpt_plugins.committed import read_pointer
 from ckpt_plugins.state import Handler, LoadItems, SaveItems
 from ckpt_plugins.storage import storage_for
 
@@ -131,7 +131,7 @@ def _ps():
 def resolve(load_dir: str, step: Optional[int] = None) -> Optional[str]:
     """The checkpoint directory a load reads: `load_dir` itself when it is a ckpt_plugins
     checkpoint, else `iter_N` for `step` or the tracker's iteration; None when there is none."""
-    if os.path.isfile(os.path.join(load_dir, METADATA_FILE)):
+    if cp.is_checkpoint(load_dir):
         return load_dir
     step = tracked_iteration(load_dir) if step is None else step
     return None if step is None else checkpoint_dir(load_dir, step)
@@ -139,13 +139,11 @@ def resolve(load_dir: str, step: Optional[int] = None) -> Optional[str]:
 
 def tracked_iteration(save_dir: str) -> Optional[int]:
     """The iteration Megatron's tracker file in `save_dir` names; None without one."""
-    tracker = os.path.join(save_dir, TRACKER)
-    if not os.path.isfile(tracker):
+    text = read_pointer(save_dir, TRACKER)
+    if text is None:
         return None
-    with open(tracker) as f:
-        text = f.read().strip()
     if not text.isdigit():
-        raise cp.NotACheckpointError(f"{tracker} holds {text!r}, not an iteration number")
+        raise cp.NotACheckpointError(f"{save_dir}/{TRACKER} holds {text!r}, not an iteration number")
     return int(text)
 
 
@@ -158,8 +156,8 @@ def load(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: 
     path = resolve(load_dir, getattr(args, "ckpt_step", None)) if load_dir else None
     if path is None:
         return None
-    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
-        if os.path.isdir(path) and any(f.endswith(".distcp") or f.endswith(".pt") for f in os.listdir(path)):
+    if not cp.is_checkpoint(path):
+        if any(f.endswith(".distcp") or f.endswith(".pt") for f in storage_for(path).listdir()):
             return None  # a native Megatron checkpoint
         raise cp.IncompleteCheckpointError(f"{path} has no committed ckpt_plugins checkpoint (a save that did not "
                                            "finish?): point --load at a committed one or pass --ckpt-step")

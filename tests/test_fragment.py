@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_plugins.fragment import (box_fragment, flat_fragments, flat_offset, flat_range_boxes,
-                                   intersect, packed_fragments)
+                                   intersect, packed_pieces, piece_fragments)
 from ckpt_plugins.plan import box_difference
 
 shapes = st.lists(st.integers(1, 6), min_size=1, max_size=4).map(tuple)
@@ -72,7 +72,7 @@ def test_flat_range_example_from_fsdp1():
 def test_packed_fragments_skip_alignment_gaps():
     entries = [("a", (2, 3), 0), ("b", (4,), 8)]  # elements 6, 7 are alignment padding
     packed = torch.arange(12.0)
-    frags = packed_fragments(entries, packed[5:10], 5)
+    frags = piece_fragments(packed_pieces(entries, 5, 10), packed[5:10])
     assert [(f.key, f.offsets, f.lengths) for f in frags] == [("a", (1, 2), (1, 1)), ("b", (0,), (2,))]
     assert frags[1].local.tolist() == [8.0, 9.0]
 

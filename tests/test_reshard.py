@@ -144,7 +144,8 @@ class FlatPartition(Handler):
         for kind, buf in self.buffers.items():
             entries = [(f"{prefix}/{n}" if kind == "param" else f"optim/{n}/{kind}", s, o)
                        for n, s, o in self.entries]
-            frags += cp.fragment.packed_fragments(entries, buf, self.start)
+            frags += cp.fragment.piece_fragments(cp.fragment.packed_pieces(entries, self.start,
+                                                                           self.start + buf.numel()), buf)
         return frags
 
     def save_items(self, prefix):

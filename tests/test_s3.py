@@ -219,3 +219,57 @@ def test_connections_cut_mid_write_retry_or_fail_cleanly_never_commit_partial(s3
     assert not storage_for("s3://ckpt/faults/dead").exists("metadata.json")
     with pytest.raises((cp.IncompleteCheckpointError, cp.NotACheckpointError)):
         cp.read_metadata("s3://ckpt/faults/dead")
+
+
+def deepspeed_hook_worker(rank, world, url, env):
+    """DeepSpeed's own save_checkpoint/load_checkpoint with an s3:// directory: checkpoint, `latest`
+    pointer and resume all through the store."""
+    os.environ.update(env)
+    import ds_util
+    from ckpt_plugins.committed import read_pointer
+    eng = ds_util.engine(1, False)
+    ds_util.step(eng, 0)
+    eng.save_checkpoint(url, client_state={"a": 1})
+    assert read_pointer(url, "latest") == "global_step1" and cp.is_checkpoint(f"{url}/global_step1")
+    ref = ds_util.full_state(eng)
+    fresh = ds_util.engine(1, False, seed=1)
+    path, client = fresh.load_checkpoint(url)
+    assert path == f"{url}/global_step1" and client == {"a": 1}
+    ds_util.assert_same_training_state(ref, ds_util.full_state(fresh))
+
+
+def test_deepspeed_hook_saves_and_resumes_through_s3(s3):
+    from distributed import run_env_ranks
+    run_env_ranks(2, deepspeed_hook_worker, "s3://ckpt/deepspeed", s3.env())
+
+
+def megatron_hook_worker(rank, world, url, env):
+    """Megatron's save_checkpoint/load_checkpoint (`--ckpt-backend bytecheckpoint`) with
+    `--save`/`--load` an s3:// URL: the tracker file and the checkpoint live in the store."""
+    os.environ.update(env)
+    from test_megatron_training import megatron_args
+    args = megatron_args(2, 1, url, "--ckpt-backend", "bytecheckpoint")
+    import megatron_util as mu
+    import megatron_ext.training as bcp
+    from megatron.training import checkpointing, training
+    from ckpt_plugins.committed import read_pointer
+    bcp.install()
+    mu.init_parallel(2, 1)
+    model = mu.build_gpt(0, dtype=torch.bfloat16)
+    opt = mu.build_optimizer(model)
+    sched = mu.build_scheduler(opt)
+    mu.train_step(model, opt, 0)
+    training.save_checkpoint(1, [model], opt, sched, 5.0)
+    assert read_pointer(url, bcp.TRACKER) == "1" and cp.is_checkpoint(f"{url}/iter_0000001")
+    want = [mu.train_step(model, opt, 1 + i) for i in range(2)]
+    model = mu.build_gpt(9, dtype=torch.bfloat16)
+    opt = mu.build_optimizer(model)
+    sched = mu.build_scheduler(opt)
+    assert checkpointing.load_checkpoint([model], opt, sched) == (1, 5.0)
+    got = [mu.train_step(model, opt, 1 + i) for i in range(2)]
+    assert all(abs(g - w) <= 2e-3 * abs(w) for g, w in zip(got, want)), (got, want)
+    mu.destroy()
+
+
+def test_megatron_hook_saves_and_resumes_through_s3(s3):
+    run_ranks(2, megatron_hook_worker, "s3://ckpt/megatron", s3.env())
