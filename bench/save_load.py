@@ -16,6 +16,8 @@ bit for bit. Each checkpoint is deleted after use.
 
 Run: .venv/bin/python bench/save_load.py            (about 20 minutes here)
      .venv/bin/python bench/save_load.py --params-m 8 --reps 1   (a quick smoke run)
+     .venv/bin/python bench/save_load.py --methods ours_sync,ours_async,ours_overlap,dcp_save
+         (a subset; with PYTHONPATH set to another checkout, the same figures for that version)
 """
 from __future__ import annotations
 
@@ -123,10 +125,11 @@ def dir_bytes(path: str) -> int:
 class Methods:
     """save(name, path) -> waitable; load(name, path, model, opt) for each method, one rank's view."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, only=None):
         import ckpt_plugins as cp
         self.cp = cp
         self.world = world
+        self.only = only
         self.ckpt = cp.Checkpointer(threads=2) if world > 1 else None
         self.gloo = dist.new_group(backend="gloo") if world > 1 else None  # DCP async needs its own group
         self.bcp = None
@@ -139,7 +142,7 @@ class Methods:
         self.dcp_planner = None
 
     def available(self, name: str) -> bool:
-        return name != "bytecheckpoint" or self.bcp is not None
+        return (name != "bytecheckpoint" or self.bcp is not None) and (not self.only or name in self.only)
 
     def save(self, name: str, path: str, model, opt):
         """Start a save; returns (object to finish it, or None). The call's duration is the stall."""
@@ -289,7 +292,7 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
     layers = args.layers
     model, opt = build(layers, fsdp=True)
     train_step(model, opt, 0)
-    methods = Methods(world)
+    methods = Methods(world, args.methods)
     reference = local_state(model, opt)
     rank_bytes = sum(t.numel() * t.element_size() for t in reference.values())
     results = {"rank_bytes": rank_bytes, "limits": {"memcpy": [], "write": [], "read": [], "read_cached": []},
@@ -410,7 +413,7 @@ def resharded_loads(args, root: str, methods_run) -> dict:
     repetition, each repetition after its own measurement of one process's cold read limit (this
     disk's speed drifts by 2x within minutes: a limit measured once would be a different disk)."""
     reference = torch.load(os.path.join(root, "reference.pt"))
-    methods = Methods(1)
+    methods = Methods(1, args.methods)
     total = sum(t.numel() * t.element_size() for t in reference.values())
     out = {"_read_limit": [], "_read_cached": [], **{name: {"load": [], "ok": True} for name in methods_run}}
     limits = Limits(root, total)
@@ -452,6 +455,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7, help="training steps per loop")
     parser.add_argument("--every", type=int, default=2, help="save every k steps in the loop")
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
+    parser.add_argument("--methods", type=lambda text: text.split(","), default=None,
+                        help=f"a comma-separated subset of {','.join(METHODS)} (default: all)")
     args = parser.parse_args()
     args.layers = max(1, round(args.params_m * 1e6 / WIDTH ** 2))
     root = tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir)
@@ -491,7 +496,7 @@ def report(args, results, resharded) -> None:
                       "ok": r["ok"] and resharded.get(name, {}).get("ok", False), "bytes": r["bytes"]}
     peers = [p for p in PEERS if p in rows]
     columns = ("stall", "loop", "commit", "load", "cols", "reshard")
-    best = {k: min(rows[p][k] for p in peers) for k in columns}
+    best = {k: min(rows[p][k] for p in peers) if peers else math.nan for k in columns}
     limit = {"stall": lim["memcpy"], "commit": lim["write"], "load": lim["read"], "cols": lim["read"],
              "reshard": resharded["_read_limit"], "loop": math.nan}
     cached = {"load": lim["read_cached"], "cols": lim["read_cached"], "reshard": resharded["_read_cached"]}
@@ -513,7 +518,7 @@ def report(args, results, resharded) -> None:
             vs_limit = f" / limit {r[k] / limit[k]:.2f}" if not math.isnan(limit[k]) else ""
             if k in cached:
                 vs_limit += f" (page cache {r[k] / cached[k]:.2f})"
-            parts.append(f"{k} {r[k] / best[k]:.2f}{vs_limit}" if best[k] > 0 else f"{k} n/a")
+            parts.append(f"{k} {r[k] / best[k]:.2f}{vs_limit}" if best[k] > 0 else f"{k} n/a{vs_limit}")
         print(f"  {name:<14} " + ", ".join(parts))
     ours = [r for name, r in results["methods"].items() if name.startswith("ours")]
     paired = [c / l for r in ours for l, c in zip(r["load"], r["cols"])]
@@ -522,7 +527,8 @@ def report(args, results, resharded) -> None:
         + f"; all {len(paired)} of ours (one load path, whatever the save): median of the ratios of loads "
           f"taken back to back {med(paired):.2f}, ratio of the medians "
           f"{med([c for r in ours for c in r['cols']]) / med([l for r in ours for l in r['load']]):.2f}")
-    print("best peer per column: " + ", ".join(f"{k} {min(peers, key=lambda p: rows[p][k])}" for k in columns))
+    if peers:
+        print("best peer per column: " + ", ".join(f"{k} {min(peers, key=lambda p: rows[p][k])}" for k in columns))
 
 
 if __name__ == "__main__":

@@ -14,24 +14,12 @@ from .format import Metadata
 from .storage import storage_for
 
 
-class Progress:
-    """A one-line progress bar on stderr, shown only when stderr is a terminal."""
-
-    def __init__(self, total: int, label: str):
-        self.total, self.done, self.label = max(total, 1), 0, label
-        self.enabled = sys.stderr.isatty()
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        if self.enabled:
-            filled = int(30 * self.done / self.total)
-            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] "
-                             f"{self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+def progress_bar(total: int, label: str):
+    """A byte-counting progress bar on stderr (tqdm), shown only when stderr is a terminal;
+    `total` 0 when unknown. `.update(n)` as bytes land, `.close()` at the end."""
+    from tqdm import tqdm
+    return tqdm(total=total or None, desc=label, unit="B", unit_scale=True, leave=False,
+                disable=not sys.stderr.isatty())
 
 
 def _summary(metadata: Metadata) -> dict:
@@ -88,7 +76,7 @@ def cmd_verify(args) -> int:
     check_files(storage, metadata)
     items = [(k, b) for k, t in metadata.tensors.items() for b in t.boxes] + \
             [(k, o) for k, objs in metadata.objects.items() for o in objs]
-    progress = Progress(sum(i.nbytes for _, i in items), "verify")
+    progress = progress_bar(sum(i.nbytes for _, i in items), "verify")
     failures: List[str] = []
     step = metadata.chunk_bytes * 64  # verify in bounded pieces: memory stays small
     for key, item in items:
@@ -100,7 +88,7 @@ def cmd_verify(args) -> int:
             except CheckpointError as exc:
                 failures.append(str(exc))
                 break
-            progress.advance(end - start)
+            progress.update(end - start)
     progress.close()
     for failure in failures:
         print(f"FAIL: {failure}")
@@ -132,6 +120,42 @@ def cmd_cleanup(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    """Report, heatmap and trace of a checkpoint's save; `--history` over a run's root."""
+    import os
+    from . import trace
+    from .telemetry import HISTORY_FILE
+    storage = storage_for(args.path)
+    name = os.path.basename(str(args.path).rstrip("/")) or "checkpoint"
+    os.makedirs(args.out, exist_ok=True)
+    if args.history:
+        if not storage.exists(HISTORY_FILE):
+            raise ValueError(f"{storage} has no {HISTORY_FILE}: point --history at a CheckpointManager root")
+        rows = trace.read_history(storage.read_bytes(HISTORY_FILE))
+        print(trace.history_table(rows))
+        png = os.path.join(args.out, f"{name}-history.png")
+        trace.history_plot(rows, png)
+        print(f"plot: {png}")
+        return 0
+    if not storage.exists(trace.TELEMETRY_FILE):
+        hint = (" (it is a run's root: pass --history, or a step directory)" if storage.exists(HISTORY_FILE)
+                else " (saves record it unless Checkpointer(telemetry=False))")
+        raise ValueError(f"{storage} has no {trace.TELEMETRY_FILE}{hint}")
+    doc = trace.load_telemetry(storage)
+    print(trace.report(doc))
+    steps = [("heatmap", f"{name}-heatmap.png"), ("trace", f"{name}-trace.json")]
+    from tqdm import tqdm
+    for what, file in tqdm(steps, desc="rendering", leave=False, disable=not sys.stderr.isatty()):
+        out = os.path.join(args.out, file)
+        if what == "heatmap":
+            trace.heatmap(doc["ranks"], out, title=f"{doc.get('op', 'save')} of {name}: seconds per rank and phase")
+        else:
+            with open(out, "w") as f:
+                json.dump(trace.chrome_trace(doc["ranks"]), f)
+        print(f"{what}: {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="bcp", description="Inspect and verify ckpt_plugins checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +174,12 @@ def main(argv=None) -> int:
         p.add_argument("root", help="the run's checkpoint root (CheckpointManager's)")
         p.add_argument("--prefix", default="step_", help="step directory prefix (default step_)")
         p.set_defaults(func=func)
+    p = sub.add_parser("trace", help="per-rank, per-phase report of a save (slowest rank, what bound it), "
+                                     "heatmap PNG and Perfetto trace; --history over a run")
+    p.add_argument("path", help="a checkpoint (its telemetry.json), or with --history a run's root")
+    p.add_argument("--out", default=".", help="where the PNG and trace JSON go (default: here)")
+    p.add_argument("--history", action="store_true", help="stall, commit time, size, throughput per step")
+    p.set_defaults(func=cmd_trace)
     for entry in entry_points(group="ckpt_plugins.commands"):  # framework extensions add theirs
         entry.load()(sub)
     args = parser.parse_args(argv)

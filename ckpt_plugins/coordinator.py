@@ -170,7 +170,15 @@ class Coordinator:
                 store.wait(keys, GRACE)
             except Exception:
                 pass  # some rank did not say it is alive in time
-            return [r for r, key in enumerate(keys) if not store.check([key])], ""
+            alive = [r for r, key in enumerate(keys) if store.check([key])]
+            # the survivors also wait for each other's verdict: the store's host (often rank 0)
+            # must not exit before the others have read theirs
+            store.set(f"{keys[self.rank]}/seen", b"1")
+            try:
+                store.wait([f"{keys[r]}/seen" for r in alive], GRACE)
+            except Exception:
+                pass
+            return [r for r in range(self.world_size) if r not in alive], ""
         except Exception:
             return [], "the job's store is unreachable: the process that hosts it (rank 0, or the launcher) is gone"
 

@@ -8,6 +8,7 @@ failed, so every rank reaches the second agreement and raises the same error.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -21,6 +22,7 @@ from .plan import LoadPlan, Request, assign_transfers, candidate_keys, plan_load
 from .results import LoadResult
 from .state import LoadItems, root_handler
 from .storage import Storage
+from .telemetry import Recorder, backend_of
 
 log = logging.getLogger("ckpt_plugins")
 _HOST = shm.host_key()
@@ -37,11 +39,13 @@ class LoadRequest:
 
 class Load:
     def __init__(self, storage: Storage, state: Dict[str, Any], coord: Coordinator, *, strict: bool,
-                 read_threads: int, shared_memory: bool):
+                 read_threads: int, shared_memory: bool, telemetry: bool = True):
         self.storage, self.state, self.coord, self.strict = storage, state, coord, strict
         self.read_threads, self.shared_memory = read_threads, shared_memory
         self.what = f"load of {storage}"
         self.items: Optional[LoadItems] = None
+        self.recorder = Recorder("load", backend_of(storage), coord.rank, enabled=telemetry)
+        self.recorder.record.info["path"] = str(storage)
 
     def run(self) -> LoadResult:
         """Load in place; on any rank's failure, raise it on every rank and drop the state this
@@ -59,9 +63,12 @@ class Load:
         coord.begin()
         before = coord.collectives
         failure, request, plan, metadata = None, LoadRequest(host=_HOST), None, None
+        recorder = self.recorder
         try:
-            metadata = read_metadata(self.storage)
-            check_files(self.storage, metadata)
+            with recorder.phase("metadata"):
+                metadata = read_metadata(self.storage)
+                check_files(self.storage, metadata)
+            t = time.time()
             self.items = root_handler(self.state).load_items("", metadata)
             specs = specs_of(self.items.fragments)
             plan = plan_load(metadata, specs)
@@ -72,9 +79,11 @@ class Load:
                                     | {s.key for s in specs} | set(items.objects) | set(items.per_rank) | items.accepted)
             request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects]
             request.reads = [read_request(r) for r in plan.reads]
+            recorder.add("plan", t, time.time())
         except Exception as exc:  # every rank must learn of it, or the others would wait forever
             failure = RankFailure.of(coord.rank, exc)
-        requests: List[LoadRequest] = coord.agree(failure, request, what=self.what, then="Nothing was loaded")
+        with recorder.phase("agree"):
+            requests: List[LoadRequest] = coord.agree(failure, request, what=self.what, then="Nothing was loaded")
 
         stored = set(metadata.tensors) | set(metadata.objects) | set(metadata.aliases)
         result = LoadResult(missing_keys=sorted({k for r in requests for k in r.missing}),
@@ -85,15 +94,20 @@ class Load:
         failure = None
         try:
             result.read_bytes = self._read(plan, metadata, requests)
-            self._objects(metadata, result)
-            for finish in self.items.finish:
-                finish()
+            with recorder.phase("objects"):
+                self._objects(metadata, result)
+            with recorder.phase("finish"):
+                for finish in self.items.finish:
+                    finish()
         except Exception as exc:
             failure = RankFailure.of(coord.rank, exc)
         touched = self._touched(plan)
-        coord.agree(failure, what=self.what,
-                    then=f"On rank {coord.rank}, " + (f"these tensors may hold partly loaded data: "
-                                                      f"{_shown(touched)}" if touched else "no tensor was written"))
+        recorder.record.info["checkpoint_bytes"] = metadata.total_bytes
+        result.telemetry = recorder.finish()
+        result.ranks = coord.agree(failure, result.telemetry, what=self.what,
+                                   then=f"On rank {coord.rank}, " + (
+                                       f"these tensors may hold partly loaded data: {_shown(touched)}"
+                                       if touched else "no tensor was written"))
         result.collectives = coord.collectives - before
         return result
 
@@ -107,7 +121,7 @@ class Load:
             hosts = None
         return read_items(self.storage, plan.reads, self.items.fragments,
                           {k: m.dtype for k, m in metadata.tensors.items()}, metadata.chunk_bytes,
-                          self.read_threads, transfers, coord, hosts)
+                          self.read_threads, transfers, coord, hosts, self.recorder)
 
     def _objects(self, metadata, result: LoadResult) -> None:
         for key, setter in self.items.objects.items():

@@ -3,10 +3,12 @@
 `root/<prefix><step>` per save; `root/latest` names the newest committed step and is updated only
 after a commit (from the commit itself, so a crash at any point leaves it naming a whole
 checkpoint); `keep_last=N` retention; listing of committed steps; cleanup of what crashed saves
-left behind, and only that.
+left behind, and only that; `root/telemetry.jsonl`, the run's history (one line per save and load:
+stall, commit time, size, throughput, slowest rank and phase), read by `bcp trace ROOT --history`.
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Dict, List, Optional
 
@@ -15,8 +17,10 @@ from .api import checkpointer as default_checkpointer
 from .errors import NotACheckpointError
 from .format import METADATA_FILE
 from .storage import storage_for
+from .telemetry import TELEMETRY_FILE, append_history, read_records, summary
 
 LATEST = "latest"
+log = logging.getLogger("ckpt_plugins")
 
 
 class CheckpointManager:
@@ -71,6 +75,7 @@ class CheckpointManager:
         def committed() -> None:
             self.storage.put_atomic(LATEST, str(int(step)).encode())
             self._retain(int(step))
+            self._remember(int(step))
         return self.checkpointer.save(self.path(step), state, step=int(step), on_commit=committed, **options)
 
     def load(self, state: Dict[str, Any], step: Optional[int] = None, **options):
@@ -80,9 +85,28 @@ class CheckpointManager:
             raise NotACheckpointError(f"{self.storage} holds no committed checkpoint")
         self._protected.add(step)
         try:
-            return self.checkpointer.load(self.path(step), state, **options)
+            result = self.checkpointer.load(self.path(step), state, **options)
         finally:
             self._protected.discard(step)
+        if result.telemetry is not None and result.telemetry.rank == 0 and result.ranks:
+            read = sum(r.phase("read").bytes for r in result.ranks if r.phase("read") is not None)
+            self._append({**summary(result.ranks, read), "step": step, "op": "load"})
+        return result
+
+    def _remember(self, step: int) -> None:
+        """Add the save's summary to the run's history (from the telemetry it kept)."""
+        entry = f"{self.name(step)}/{TELEMETRY_FILE}"
+        if self.storage.exists(entry):
+            try:
+                self._append({**read_records(self.storage.read_bytes(entry))["summary"], "step": step, "op": "save"})
+            except (OSError, ValueError, KeyError) as exc:
+                log.warning("%s: its telemetry is unreadable (%s); the run's history skips it", entry, exc)
+
+    def _append(self, row: Dict[str, Any]) -> None:
+        try:
+            append_history(self.storage, row)
+        except OSError as exc:  # the history is never needed to load anything
+            log.warning("%s: could not add step %s to the run's history: %s", self.storage, row["step"], exc)
 
     def _retain(self, newest: int) -> None:
         if self.keep_last is None:

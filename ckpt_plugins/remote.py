@@ -57,6 +57,7 @@ class FsspecStorage(Storage):
                              "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ...) or the fsspec config")
         self.url = url.rstrip("/")
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self.retried = 0  # transient failures retried so far (telemetry)
         # no cached listings: other ranks and jobs write into the same prefix
         options.setdefault("skip_instance_cache", True)
         if self.url.startswith("s3://"):
@@ -86,6 +87,7 @@ class FsspecStorage(Storage):
                     raise
                 log.warning("%s on %s failed (%s: %s); retry %d/%d in %.2f s", what, self, type(exc).__name__,
                             exc, attempt + 1, self.retries, delay)
+                self.retried += 1
                 time.sleep(delay)
                 delay = min(self.max_backoff, delay * 2)
         raise AssertionError("unreachable")
@@ -149,7 +151,9 @@ class _RemoteWriter(Writer):
 
     def __init__(self, storage: FsspecStorage, path: str):
         self.storage, self.path = storage, path
+        before = storage.retried
         self.file: Optional[object] = storage.retry("open", lambda: storage.fs.open(path, "wb"))
+        self.retries = storage.retried - before
 
     def write(self, data) -> None:
         self.file.write(memoryview(data).cast("B"))

@@ -5,6 +5,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from .telemetry import RankTelemetry, metrics, summary
+
 
 @dataclass
 class SaveInfo:
@@ -14,7 +16,17 @@ class SaveInfo:
     balance: float = 1.0  # max/mean bytes written per rank
     plan_cached: bool = False
     collectives: int = 0  # foreground (planning) collectives of this save
-    timings: Dict[str, float] = field(default_factory=dict)
+    timings: Dict[str, float] = field(default_factory=dict)  # seconds per phase (wall), and the stall
+    telemetry: Optional[RankTelemetry] = None  # this rank's phases
+    ranks: List[RankTelemetry] = field(default_factory=list)  # every rank's, on the coordinating rank
+
+    def summary(self) -> Dict[str, object]:
+        """The whole save's figures (on the coordinating rank; elsewhere this rank's view)."""
+        return summary(self.ranks, self.total_bytes)
+
+    def metrics(self) -> Dict[str, float]:
+        """The scalars loggers plot: ckpt/stall_s, ckpt/commit_s, ckpt/save_gbps, ..."""
+        return metrics(self.summary())
 
 
 @dataclass
@@ -24,6 +36,8 @@ class LoadResult:
     kept_per_rank: List[str] = field(default_factory=list)  # per-rank objects no rank like ours saved
     read_bytes: int = 0  # bytes this rank read from storage
     collectives: int = 0
+    telemetry: Optional[RankTelemetry] = None  # this rank's phases
+    ranks: List[RankTelemetry] = field(default_factory=list)  # every rank's
 
 
 class SaveHandle:
@@ -68,3 +82,17 @@ class SaveHandle:
         """Wait, leaving the error to the handle's own `wait()` (a later save to the same path
         must not start under this one)."""
         self._done.wait()
+
+
+def take_finished(pending: list) -> List[SaveInfo]:
+    """The SaveInfo of every finished save in `pending` (SaveInfos, and SaveHandles of async
+    saves), removed from it, for a logger that reports each save once. Failed saves are dropped:
+    they logged their failure, and their handle's wait() raises it to whoever waits."""
+    done = []
+    for item in [p for p in pending if not isinstance(p, SaveHandle) or p.done()]:
+        pending.remove(item)
+        if isinstance(item, SaveInfo):
+            done.append(item)
+        elif item._error is None:
+            done.append(item.info)
+    return done

@@ -31,6 +31,7 @@ from .results import SaveHandle
 from .staging import StagingPool, StagingSlot
 from .state import root_handler
 from .storage import Storage
+from .telemetry import TELEMETRY_FILE, RankTelemetry, Recorder, backend_of, checkpoint_file, summary
 
 log = logging.getLogger("ckpt_plugins")
 
@@ -42,6 +43,7 @@ class WriteReport:
     checksums: List[List[int]] = field(default_factory=list)  # per tensor write item
     objects: List[Tuple[str, ObjectMeta]] = field(default_factory=list)
     sizes: Dict[str, int] = field(default_factory=dict)
+    telemetry: Optional[RankTelemetry] = None  # this rank's phases so far (rides on the commit's gather)
 
 
 @dataclass
@@ -55,7 +57,7 @@ class Outcome:
 class Save:
     def __init__(self, storage: Storage, state: Dict[str, Any], coord: Coordinator, pool: StagingPool,
                  cache: PlanCache, *, meta_extra: Dict[str, Any], overwrite: bool,
-                 on_commit: Optional[Callable[[], None]]):
+                 on_commit: Optional[Callable[[], None]], mode: str = "sync", telemetry: bool = True):
         self.storage, self.state, self.coord, self.pool, self.cache = storage, state, coord, pool, cache
         self.meta_extra, self.overwrite, self.on_commit = meta_extra, overwrite, on_commit
         self.handle = SaveHandle(str(storage))
@@ -66,6 +68,8 @@ class Save:
         self.cached: Optional[CachedPlan] = None
         self._copied_early = False
         self._copy_over = threading.Event()  # the snapshot has stopped using the slot
+        self.recorder = Recorder("save", backend_of(storage), coord.rank, enabled=telemetry)
+        self.recorder.record.info.update(mode=mode, path=str(storage), step=meta_extra.get("step"))
 
     # ------------------------------------------------------------ prepare (collective)
 
@@ -73,7 +77,7 @@ class Save:
         """Fragments, the lock and the plan. `copy_early`: copy with this rank's cached plan while
         the ranks agree that every cached plan still holds (an async save's stall then pays no
         agreement). Raises on every rank if any rank failed; nothing is then held."""
-        t0 = time.perf_counter()
+        t0 = time.time()
         info, coord = self.handle.info, self.coord
         coord.begin()
         before = coord.collectives
@@ -85,7 +89,8 @@ class Save:
             for (key, value), rank in mine + [(kv, coord.rank) for kv in items.per_rank.items()]:
                 self.objects.append((key, *encode_object(value), rank))
             if coord.is_coordinator:
-                self.commit = Commit.open(self.storage, self.overwrite)
+                with self.recorder.phase("lock"):
+                    self.commit = Commit.open(self.storage, self.overwrite)
         except Exception as exc:  # every rank must learn of it, or the others would wait forever
             failure = RankFailure.of(coord.rank, exc)
         self.fragments = fragments
@@ -107,7 +112,7 @@ class Save:
             self.job = self._staged(self.cached)
         info.rank_bytes, info.balance = sum(item.nbytes for item in self.job.items), self.cached.balance
         info.collectives = coord.collectives - before
-        info.timings["plan"] = time.perf_counter() - t0
+        self.recorder.add("plan", t0, time.time(), cached=info.plan_cached)
 
     def _staged(self, cached: CachedPlan) -> StagedWrite:
         frags = self.fragments
@@ -129,17 +134,16 @@ class Save:
             self.handle.snapshot_taken()
 
     def _copy(self) -> None:
-        t = time.perf_counter()
         job = self.job
         try:
             pin = any(isinstance(i.source, torch.Tensor) and i.source.device.type == "cuda" for i in job.items)
-            self.slot = self.pool.acquire(job.nbytes, pin=pin)  # may wait for an earlier save's slot
-            job.snapshot(self.slot.buffer, threads=torch.get_num_threads())
+            with self.recorder.phase("staging"):  # may wait for an earlier save's slot
+                self.slot = self.pool.acquire(job.nbytes, pin=pin)
+            with self.recorder.phase("snapshot", sum(i.nbytes for i in job.items)):
+                job.snapshot(self.slot.buffer, threads=torch.get_num_threads())
         except BaseException as exc:
             job.fail(exc)
             log.error("snapshot for %s failed: %s: %s", self.storage, type(exc).__name__, exc)
-        finally:
-            self.handle.info.timings["snapshot"] = time.perf_counter() - t
 
     # ------------------------------------------------------------ write and commit (background)
 
@@ -147,13 +151,12 @@ class Save:
         """Write this rank's files as the snapshot progresses, then agree on the outcome over
         `bg`; the coordinator commits when every rank succeeded. Releases everything the save
         holds, whatever happens."""
-        info, job = self.handle.info, self.job
+        info, job, recorder = self.handle.info, self.job, self.recorder
         try:
             bg.begin()
-            t = time.perf_counter()
             report = WriteReport(None)
             try:
-                checksums = job.write(threads)
+                checksums = job.write(threads, recorder)
                 n = len(self.cached.writes)
                 report = WriteReport(None, checksums[:n], [
                     (key, ObjectMeta(file=f, offset=off, nbytes=len(data), crc32c=crc, encoding=enc, rank=rank))
@@ -165,13 +168,16 @@ class Save:
             finally:
                 self._copy_over.wait()  # the snapshot has taken its slot (or failed) and stopped copying
                 self._release_slot()
-            info.timings["write"] = time.perf_counter() - t
-            t = time.perf_counter()
+            t = time.time()
+            report.telemetry = recorder.finish()
             reports = bg.gather(report)
-            outcome = self._commit(reports) if bg.is_coordinator else None
+            outcome = self._commit(reports, t) if bg.is_coordinator else None
             outcome = bg.broadcast(outcome)
+            recorder.add("commit_wait", t, time.time())
             info.total_bytes = outcome.total_bytes
-            info.timings["commit"] = time.perf_counter() - t
+            info.telemetry = recorder.finish()
+            info.ranks = [r.telemetry for r in reports] if bg.is_coordinator else [info.telemetry]
+            info.timings.update({p.name: p.wall for p in info.telemetry.phases})
             if outcome.failures:
                 then = ("It is committed, but the step after the commit failed" if outcome.committed else
                         "Nothing was committed; the previous checkpoint is still the latest")
@@ -184,8 +190,9 @@ class Save:
         finally:
             self.release()
 
-    def _commit(self, reports: List[WriteReport]) -> Outcome:
-        """On the coordinator: write the metadata if every rank succeeded."""
+    def _commit(self, reports: List[WriteReport], waited_since: float) -> Outcome:
+        """On the coordinator: write the metadata if every rank succeeded; then the telemetry of
+        every rank beside it (never needed to load: a failure there only logs)."""
         failures = collect(r.failure for r in reports)
         if failures:
             return Outcome(failures)
@@ -204,15 +211,30 @@ class Save:
                                 files=dict(sorted(files.items())), aliases=plan.metadata.aliases,
                                 world_size=plan.metadata.world_size, chunk_bytes=plan.metadata.chunk_bytes,
                                 **self.meta_extra)
-            self.commit.commit(metadata)
+            with self.recorder.phase("metadata_write"):
+                self.commit.commit(metadata)
         except Exception as exc:
             return Outcome([RankFailure.of(self.coord.rank, exc)])
+        self.recorder.add("commit_wait", waited_since, time.time())
+        reports[0].telemetry = self.recorder.finish()
+        self._keep_telemetry([r.telemetry for r in reports], metadata.total_bytes)
         if self.on_commit is not None:
             try:
                 self.on_commit()
             except Exception as exc:
                 return Outcome([RankFailure.of(self.coord.rank, exc)], committed=True)
         return Outcome([], metadata.total_bytes, committed=True)
+
+    def _keep_telemetry(self, ranks: List[RankTelemetry], total_bytes: int) -> None:
+        if not self.recorder.enabled:
+            return
+        try:
+            self.storage.put_atomic(TELEMETRY_FILE, checkpoint_file(
+                ranks, "save", str(self.storage), self.meta_extra.get("step"),
+                {"summary": summary(ranks, total_bytes)}))
+        except Exception as exc:
+            log.warning("%s: the save committed, but its telemetry could not be kept: %s: %s",
+                        self.storage, type(exc).__name__, exc)
 
     # ------------------------------------------------------------ resources
 

@@ -19,6 +19,9 @@ from .hostmem import PAGE as ALIGN
 
 
 class Writer(ABC):
+    direct_bytes = 0  # bytes written bypassing the page cache (telemetry)
+    retries = 0  # transient failures retried (telemetry)
+
     @abstractmethod
     def write(self, data) -> None: ...
 
@@ -101,6 +104,7 @@ class _FileWriter(Writer):
             aligned = len(view) // ALIGN * ALIGN
             try:
                 self._pwrite(self._direct_fd, view[:aligned])
+                self.direct_bytes += aligned
                 view = view[aligned:]
             except OSError as exc:
                 if exc.errno != errno.EINVAL:

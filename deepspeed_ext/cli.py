@@ -3,11 +3,11 @@ from __future__ import annotations
 
 
 def cmd_import(args) -> int:
-    from ckpt_plugins.cli import Progress
+    from ckpt_plugins.cli import progress_bar
 
     from .native import import_deepspeed
-    progress = Progress(0, "import")
-    metadata = import_deepspeed(args.ds_dir, args.path, overwrite=args.overwrite, progress=progress.advance)
+    progress = progress_bar(0, "import")
+    metadata = import_deepspeed(args.ds_dir, args.path, overwrite=args.overwrite, progress=progress.update)
     progress.close()
     print(f"wrote checkpoint {args.path}: {len(metadata.tensors)} tensors, {metadata.total_bytes:,} bytes "
           f"(ZeRO stage {metadata.layout['zero_stage']}, {metadata.layout['dp_world_size']} ranks, "

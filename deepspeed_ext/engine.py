@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional
 import ckpt_plugins as cp
 from ckpt_plugins.committed import read_pointer
 from ckpt_plugins.format import DATA_DIR
+from ckpt_plugins.results import take_finished
 from ckpt_plugins.state import Handler, LoadItems, SaveItems
 from ckpt_plugins.storage import storage_for
 
@@ -83,6 +84,7 @@ class Hooks:
         self.async_save = bool(options.get("async", False))
         self.native_load = engine.load_checkpoint
         self.checkpointer = cp.checkpointer()
+        self.unlogged: list = []  # SaveInfo or SaveHandle of saves not yet in the monitor
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
                         exclude_frozen_parameters=False):
@@ -99,9 +101,21 @@ class Hooks:
             if save_latest:
                 storage_for(save_dir).put_atomic(LATEST, tag.encode())
 
-        self.checkpointer.save(path, state, async_=self.async_save, framework="deepspeed", layout=layout(engine),
-                               step=int(engine.global_steps), overwrite=True, on_commit=write_latest)
+        result = self.checkpointer.save(path, state, async_=self.async_save, framework="deepspeed",
+                                        layout=layout(engine), step=int(engine.global_steps), overwrite=True,
+                                        on_commit=write_latest)
+        self.unlogged.append(result)
+        self.log_saves()
         return True
+
+    def log_saves(self) -> None:
+        """Committed saves' stall, time to commit, size and throughput into DeepSpeed's own monitor
+        (its TensorBoard, W&B, CSV or Comet writers), at the sample count DeepSpeed logs by; an
+        async save once it has committed."""
+        for info in take_finished(self.unlogged):
+            if self.engine.monitor.enabled:
+                self.engine.monitor.write_events([(name, value, self.engine.global_samples)
+                                                  for name, value in info.metrics().items()])
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):

@@ -21,16 +21,16 @@ def parse_size(text: str) -> int:
 
 
 def cmd_export(args) -> int:
-    from ckpt_plugins.cli import Progress
+    from ckpt_plugins.cli import progress_bar
     from ckpt_plugins.offline import open_checkpoint
 
     from .safetensors_io import export_hf
     _, metadata = open_checkpoint(args.path)
     total = sum(b.nbytes for k, t in metadata.tensors.items() if k.startswith("model/") for b in t.boxes)
-    progress = Progress(total, "export")
+    progress = progress_bar(total, "export")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     files = export_hf(args.path, args.out, max_shard_bytes=parse_size(args.max_shard_size), dtype=dtype,
-                      progress=progress.advance)
+                      progress=progress.update)
     progress.close()
     print(f"wrote {len(files)} file(s) to {args.out}: {', '.join(files)}")
     return 0
@@ -39,12 +39,12 @@ def cmd_export(args) -> int:
 def cmd_import_hf(args) -> int:
     import os
 
-    from ckpt_plugins.cli import Progress
+    from ckpt_plugins.cli import progress_bar
 
     from .safetensors_io import import_hf
-    progress = Progress(sum(os.path.getsize(os.path.join(args.hf_dir, f)) for f in os.listdir(args.hf_dir)
+    progress = progress_bar(sum(os.path.getsize(os.path.join(args.hf_dir, f)) for f in os.listdir(args.hf_dir)
                             if f.endswith(".safetensors")), "import")
-    metadata = import_hf(args.hf_dir, args.path, overwrite=args.overwrite, progress=progress.advance)
+    metadata = import_hf(args.hf_dir, args.path, overwrite=args.overwrite, progress=progress.update)
     progress.close()
     print(f"wrote checkpoint {args.path}: {len(metadata.tensors)} tensors, {metadata.total_bytes:,} bytes")
     return 0

@@ -103,6 +103,8 @@ class _Integration:
                                   layout={"world_size": t.args.world_size}, step=t.state.global_step)
         if self.async_save:
             self.pending = result
+        else:
+            self.log_save(result)
         if t.args.should_save:
             _save_side_files(t, output_dir)
 
@@ -110,13 +112,18 @@ class _Integration:
         """Wait for the last async save (raising its error), then apply the rotation it deferred."""
         if self.pending is not None:
             handle, self.pending = self.pending, None
-            handle.wait()
+            self.log_save(handle.wait())
         if self.pending_rotation is not None:
             run_dir, self.pending_rotation = self.pending_rotation, None
             if self.trainer.args.should_save:
                 from transformers.trainer_utils import rotate_checkpoints
                 rotate_checkpoints(output_dir=run_dir, save_total_limit=self.trainer.args.save_total_limit,
                                    best_model_checkpoint=self.trainer.state.best_model_checkpoint, use_mtime=True)
+
+    def log_save(self, info: cp.SaveInfo) -> None:
+        """The save's stall, time to commit, size and throughput through the Trainer's own log(),
+        so TensorBoard, W&B and every logging callback show them per save."""
+        self.trainer.log(info.metrics())
 
     @staticmethod
     def _nothing(*args, **kwargs) -> None:

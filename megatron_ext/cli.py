@@ -3,12 +3,12 @@ from __future__ import annotations
 
 
 def cmd_import(args) -> int:
-    from ckpt_plugins.cli import Progress
+    from ckpt_plugins.cli import progress_bar
 
     from .native import import_megatron
-    progress = Progress(0, "import")
+    progress = progress_bar(0, "import")
     metadata = import_megatron(args.megatron_dir, args.path, weights_only=args.weights_only,
-                               overwrite=args.overwrite, progress=progress.advance)
+                               overwrite=args.overwrite, progress=progress.update)
     progress.close()
     layout = metadata.layout
     print(f"wrote checkpoint {args.path}: {len(metadata.tensors)} tensors, {metadata.total_bytes:,} bytes "

@@ -26,6 +26,7 @@ from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
 from ckpt_plugins.committed import read_pointer
+from ckpt_plugins.results import take_finished
 from ckpt_plugins.state import Handler, LoadItems, SaveItems
 from ckpt_plugins.storage import storage_for
 
@@ -115,12 +116,33 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
     def write_tracker() -> None:  # only once the checkpoint is whole
         storage_for(args.save).put_atomic(TRACKER, str(iteration).encode())
 
-    return cp.save(checkpoint_dir(args.save, iteration), state, async_=bool(getattr(args, "async_save", False)),
+    result = cp.save(checkpoint_dir(args.save, iteration), state, async_=bool(getattr(args, "async_save", False)),
                    framework="megatron", step=int(iteration), overwrite=True, on_commit=write_tracker,
                    layout={"tp": _ps().get_tensor_model_parallel_world_size(),
                            "pp": _ps().get_pipeline_model_parallel_world_size(),
                            "dp": _ps().get_data_parallel_world_size(),
                            "distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False))})
+    _unlogged.append(result)
+    for info in take_finished(_unlogged):  # an async save is logged once it has committed
+        _log_save(info)
+    return result
+
+
+_unlogged: list = []  # SaveInfo or SaveHandle of saves whose figures are not logged yet
+
+
+def _log_save(info: cp.SaveInfo) -> None:
+    """A save's stall, time to commit, size and throughput into Megatron's own TensorBoard and W&B
+    writers (those --tensorboard-dir / --wandb-project set up), at the iteration it saved."""
+    from megatron.training import global_vars
+    scalars, iteration = info.metrics(), info.telemetry.info.get("step") if info.telemetry else None
+    writer = global_vars.get_tensorboard_writer()
+    if writer is not None:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
+    wandb = global_vars.get_wandb_writer()
+    if wandb is not None:
+        wandb.log(scalars, iteration)
 
 
 def _ps():

@@ -29,8 +29,10 @@ def config(stage: int, bf16: bool, world: int, backend: bool = True, fp32_accumu
     return cfg
 
 
-def engine(stage: int, bf16: bool, seed: int = 0, backend: bool = True, fp32_accumulation: bool = False):
-    """A DeepSpeed engine over a tiny Llama with one frozen parameter, AdamW and an LR schedule."""
+def engine(stage: int, bf16: bool, seed: int = 0, backend: bool = True, fp32_accumulation: bool = False,
+           extra: dict = None):
+    """A DeepSpeed engine over a tiny Llama with one frozen parameter, AdamW and an LR schedule;
+    `extra`: more top-level config sections (a monitor, say)."""
     import deepspeed_ext
     cpu_friendly_deepspeed()
     model = tiny_llama(seed)
@@ -40,7 +42,8 @@ def engine(stage: int, bf16: bool, seed: int = 0, backend: bool = True, fp32_acc
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     world = dist.get_world_size() if dist.is_initialized() else 1
     eng, *_ = deepspeed_ext.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                       config=config(stage, bf16, world, backend, fp32_accumulation))
+                                       config={**config(stage, bf16, world, backend, fp32_accumulation),
+                                               **(extra or {})})
     return eng
 
 

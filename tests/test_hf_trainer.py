@@ -33,7 +33,8 @@ def train(rank, world, out_dir, resume, result_path, async_save, save_total_limi
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=GLOBAL_BATCH // world,
                              max_steps=STEPS, save_strategy="steps", save_steps=2, logging_steps=1,
                              learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.1,
-                             use_cpu=True, report_to=[], seed=0, dataloader_drop_last=True, ddp_backend="gloo",
+                             use_cpu=True, report_to=["tensorboard"], logging_dir=os.path.join(out_dir, "tb"),
+                             seed=0, dataloader_drop_last=True, ddp_backend="gloo",
                              save_total_limit=save_total_limit, disable_tqdm=True)
     trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=Tokens())
     hf_ext.trainer.enable(trainer, async_save=async_save)
@@ -41,7 +42,22 @@ def train(rank, world, out_dir, resume, result_path, async_save, save_total_limi
     if rank == 0:
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-        torch.save({"losses": losses, "weights": weights, "lr": trainer.lr_scheduler.get_last_lr()}, result_path)
+        saves = [h for h in trainer.state.log_history if "ckpt/stall_s" in h]
+        torch.save({"losses": losses, "weights": weights, "lr": trainer.lr_scheduler.get_last_lr(), "saves": saves},
+                   result_path)
+
+
+def tensorboard_scalars(log_dir, tag: str) -> dict:
+    """step -> value of `tag` in the TensorBoard event files under `log_dir`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = {}
+    for root, _, files in os.walk(log_dir):
+        if any(f.startswith("events.out.tfevents") for f in files):
+            acc = EventAccumulator(root)
+            acc.Reload()
+            if tag in acc.Tags()["scalars"]:
+                out.update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
 
 
 def test_trainer_saves_through_ckpt_plugins_and_resumes_on_any_process_count(tmp_path):
@@ -55,6 +71,10 @@ def test_trainer_saves_through_ckpt_plugins_and_resumes_on_any_process_count(tmp
     meta = cp.read_metadata(ckpt4)
     assert meta.step == 4 and meta.world_size == 2 and "sched/last_epoch" in meta.objects
     assert json.loads(open(ckpt4 / "trainer_state.json").read())["global_step"] == 4
+    # every save's figures went through the Trainer's own log(): its history and TensorBoard
+    assert [h["ckpt/step"] for h in full["saves"]] == [h["step"] for h in full["saves"]] == [2, 4, 6]
+    assert all(h["ckpt/stall_s"] > 0 and h["ckpt/save_gib"] > 0 and h["ckpt/commit_s"] > 0 for h in full["saves"])
+    assert sorted(tensorboard_scalars(run / "tb", "ckpt/stall_s")) == [2, 4, 6]
 
     for world in (2, 1):
         out = tmp_path / f"resume{world}"
@@ -78,6 +98,8 @@ def test_trainer_saves_through_ckpt_plugins_and_resumes_on_any_process_count(tmp
 def test_trainer_async_saves_rotate_only_committed_checkpoints(tmp_path):
     run = tmp_path / "run"
     run_env_ranks(2, train, str(run), None, tmp_path / "full.pt", True, 2)
-    assert sorted(os.listdir(run)) == ["checkpoint-4", "checkpoint-6"]
+    assert sorted(os.listdir(run)) == ["checkpoint-4", "checkpoint-6", "tb"]
+    # async: each save is logged once it has committed (at a later step), under its own step
+    assert sorted(h["ckpt/step"] for h in torch.load(tmp_path / "full.pt")["saves"]) == [2, 4, 6]
     for name in ("checkpoint-4", "checkpoint-6"):
         assert cp.read_metadata(run / name).step == int(name.split("-")[1])  # committed, whole

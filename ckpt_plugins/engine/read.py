@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -24,6 +25,7 @@ from ..fragment import Fragment, flat_offset, sub_view
 from ..plan import ReadItem, Transfer, read_regions
 from ..hostmem import align_up
 from ..storage import Storage
+from ..telemetry import Recorder
 from .ring import Ring
 
 READ_PIECE = 8 << 20  # a big stored range is read as pieces of this size in parallel
@@ -33,12 +35,18 @@ log = logging.getLogger("ckpt_plugins")
 
 
 def read_checked(storage: Storage, key: str, file: str, offset: int, nbytes: int, start: int, end: int,
-                 crc32c: Sequence[int], chunk: int, buffer=None) -> bytearray:
+                 crc32c: Sequence[int], chunk: int, buffer=None, recorder: Optional[Recorder] = None) -> bytearray:
     """Bytes [start, end) of an item stored at `offset`, verified against its chunk checksums."""
     buffer = bytearray(end - start) if buffer is None else buffer
+    t0 = time.time()
     storage.read_into(file, offset + start, buffer)
+    t1 = time.time()
     expected = crc32c[start // chunk:start // chunk + len(range(start, end, chunk))]
-    if chunk_checksums(buffer, chunk) != list(expected):
+    sums = chunk_checksums(buffer, chunk)
+    if recorder is not None:
+        recorder.add("read", t0, t1, end - start)
+        recorder.add("checksum", t1, time.time(), end - start)
+    if sums != list(expected):
         raise CorruptCheckpointError(f"checksum mismatch in {key}: file {file}, bytes "
                                      f"{offset + start}..{offset + end}; the checkpoint is corrupt")
     return buffer
@@ -104,7 +112,7 @@ def _contiguous_destination(read: ReadItem, targets: Sequence[Fragment], dtype: 
 def read_items(storage: Storage, reads: Sequence[ReadItem], targets: Sequence[Fragment],
                dtypes: Dict[str, str], chunk: int, threads: int = 2,
                transfers: Optional[Dict[int, Transfer]] = None, coord=None,
-               hosts: Optional[Sequence[Optional[str]]] = None) -> int:
+               hosts: Optional[Sequence[Optional[str]]] = None, recorder: Optional[Recorder] = None) -> int:
     """Run this rank's reads (and its part of the read-once exchange over `coord`, a
     Coordinator); returns bytes read from storage.
 
@@ -117,9 +125,11 @@ def read_items(storage: Storage, reads: Sequence[ReadItem], targets: Sequence[Fr
     wants, packed (a contiguous region goes as a view), which lands straight in the needer's
     destination when that is one contiguous view. Ranges that need a buffer take it from a
     `Ring`, one for reads (and packing) and one for receives, both in the transfers' order, so
-    the oldest transfer can always finish.
+    the oldest transfer can always finish. `recorder` gets the reads, checksums, receives (bytes
+    from shared memory and from the group) and copies into the destinations.
     """
     transfers = transfers or {}
+    recorder = recorder or Recorder("load", "", 0, enabled=False)
     rank = coord.rank if coord is not None else 0
     order = sorted(range(len(reads)), key=lambda p: (0, transfers[p].tag) if p in transfers else (1, p))
     ready = [True] * len(hosts or ())  # readers whose ring is shared
@@ -146,7 +156,8 @@ def read_items(storage: Storage, reads: Sequence[ReadItem], targets: Sequence[Fr
         if not all(ready):  # a reader without a segment sends to its host over the group
             jobs = _read_jobs(storage, reads, targets, dtypes, chunk, transfers, rank, order, shares)
     try:
-        return _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, coord, shares, segment, threads)
+        return _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, coord, shares, segment, threads,
+                          recorder)
     finally:
         if segment is not None:
             segment.unlink()
@@ -201,6 +212,11 @@ class _Job:
             self.packed[regions] = memory[at:at + n]
             at = align_up(at + n, Ring.ALIGN)
 
+    @property
+    def send_bytes(self) -> int:
+        """What goes to needers on other hosts (those on this host copy from shared memory)."""
+        return sum(_region_bytes(x, self.dtype.itemsize) for _, g in self.remote for x in g)
+
     def payload(self, regions) -> torch.Tensor:
         stored, first = self.read.stored, self.start // self.dtype.itemsize
         views = [region_view(self.data, self.dtype, first, stored.lengths, stored.offsets, g) for g in regions]
@@ -230,7 +246,8 @@ def _read_jobs(storage, reads, targets, dtypes, chunk, transfers, rank, order, s
             for p in order if p not in transfers or transfers[p].reader == rank]
 
 
-def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, coord, shares, segment, threads) -> int:
+def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, coord, shares, segment, threads,
+               recorder: Recorder) -> int:
     rank = coord.rank if coord is not None else 0
     send_lock = threading.Lock()  # one thread at a time posts sends on the group
     failed: List[BaseException] = []  # this rank's failures; the exchange goes on regardless
@@ -240,7 +257,8 @@ def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, coord, s
             if not failed:  # after a failure, only the promised sends still go out
                 stored = job.read.stored
                 read_checked(storage, job.read.key, stored.file, stored.offset, stored.nbytes, start, end,
-                             stored.crc32c, chunk, buffer=job.data[start - job.start:end - job.start])
+                             stored.crc32c, chunk, buffer=job.data[start - job.start:end - job.start],
+                             recorder=recorder)
                 return end - start
             job.failed = True
             return 0
@@ -260,13 +278,15 @@ def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, coord, s
         The sends go out whatever happened before: other ranks wait for them."""
         try:
             if job.dest is not None and job.direct is None and not job.failed:
-                attempt(lambda: hostmem.copy(job.dest.data_ptr(), job.memory.data_ptr(), job.end - job.start))
+                with recorder.phase("copy", job.end - job.start):
+                    attempt(lambda: hostmem.copy(job.dest.data_ptr(), job.memory.data_ptr(), job.end - job.start))
             if job.transfer is not None:
-                with send_lock:
+                with send_lock, recorder.phase("send", job.send_bytes):
                     send(job, job.transfer.tag)
             if job.dest is None and not job.failed:
-                attempt(lambda: copy_out(job.read, job.data[job.read.start - job.start:job.read.end - job.start],
-                                         targets, job.dtype))
+                with recorder.phase("copy", job.read.end - job.read.start):
+                    attempt(lambda: copy_out(job.read, job.data[job.read.start - job.start:job.read.end - job.start],
+                                             targets, job.dtype))
         except BaseException as exc:
             failed.append(exc)
         finally:
@@ -342,15 +362,19 @@ def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, coord, s
                     receive.work = attempt(lambda r=receive: coord.irecv(r.buffer, r.transfer.reader, r.transfer.tag))
             for receive in receiving:  # in the transfers' order
                 if receive.local:
-                    receive.copy_shared(attached, failed)
+                    with recorder.phase("receive", receive.nbytes, shm_bytes=receive.nbytes):
+                        receive.copy_shared(attached, failed)
                     post(acks, coord.isend, ack, receive.transfer.reader, receive.transfer.tag)
                 elif receive.direct is None:  # taking ring space completes the oldest receives
-                    receive.buffer = receive_ring.take(receive.nbytes, lambda r=receive: r.complete(failed))
+                    receive.buffer = receive_ring.take(receive.nbytes, lambda r=receive: r.complete(failed, recorder))
                     receive.work = attempt(lambda r=receive: coord.irecv(r.buffer, r.transfer.reader, r.transfer.tag))
             receive_ring.drain()
-            for work in [r.work for r in receiving if r.direct is not None] + acks:
-                if work is not None:
-                    attempt(work.wait)
+            for receive in receiving:
+                if receive.direct is not None and receive.work is not None:
+                    with recorder.phase("receive", receive.nbytes, group_bytes=receive.nbytes):
+                        attempt(receive.work.wait)
+            for work in acks:
+                attempt(work.wait)
         finally:
             dispatcher.join()
             for future in futures:
@@ -393,13 +417,14 @@ class _Receive:
         except BaseException as exc:
             failed.append(exc)
 
-    def complete(self, failed: List[BaseException]) -> None:
+    def complete(self, failed: List[BaseException], recorder: Recorder) -> None:
         """Copy a received payload out of its ring buffer (never raises: a ring calls it)."""
         try:
-            if self.work is not None:
-                self.work.wait()
-            if self.work is not None and not failed:
-                self._copy()
+            with recorder.phase("receive", self.nbytes, group_bytes=self.nbytes):
+                if self.work is not None:
+                    self.work.wait()
+                if self.work is not None and not failed:
+                    self._copy()
         except BaseException as exc:
             failed.append(exc)
 

@@ -8,6 +8,7 @@ soon as they are staged and checksumming each item once it is complete.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from ..format import chunk_checksums
 from .. import hostmem
 from ..hostmem import align_up
 from ..storage import Storage
+from ..telemetry import Recorder
 
 PIECE = 8 << 20  # bytes per write call: big enough for the disk, small enough to pipeline
 COPY_PIECE = 4 << 20  # bytes per snapshot copy: threads share big tensors, writers follow early
@@ -129,17 +131,21 @@ class StagedWrite:
             self._failed = exc
             self._cond.notify_all()
 
-    def write(self, threads: int) -> List[List[int]]:
-        """Write every file as the snapshot progresses; returns each item's chunk checksums."""
+    def write(self, threads: int, recorder: Optional[Recorder] = None) -> List[List[int]]:
+        """Write every file as the snapshot progresses; returns each item's chunk checksums.
+        `recorder` gets each file's write (seconds spent in the storage, bytes, O_DIRECT bytes,
+        retries) and the checksums' seconds."""
         checksums: List[List[int]] = [[] for _ in self.items]
+        recorder = recorder or Recorder("save", "", 0, enabled=False)
         with ThreadPoolExecutor(max(1, min(threads, len(self.sizes))), thread_name_prefix="ckpt-write") as pool:
-            list(pool.map(lambda name: self._write_file(name, checksums), sorted(self.sizes)))
+            list(pool.map(lambda name: self._write_file(name, checksums, recorder), sorted(self.sizes)))
         return checksums
 
-    def _write_file(self, name: str, checksums: List[List[int]]) -> None:
+    def _write_file(self, name: str, checksums: List[List[int]], recorder: Recorder) -> None:
         size, base = self.sizes[name], self.base[name]
         pending = sorted((i for i, it in enumerate(self.items) if it.file == name),
                          key=lambda i: self.items[i].offset)
+        first, busy, summing = time.time(), 0.0, 0.0
         writer = self.storage.open_writer(name)
         try:
             pos = 0
@@ -150,14 +156,29 @@ class StagedWrite:
                         self._cond.wait()
                     if self._failed is not None:
                         raise RuntimeError(f"snapshot failed: {type(self._failed).__name__}: {self._failed}")
+                t = time.time()
                 writer.write(_bytes(self.buffer[base + pos:base + target]))
+                busy += time.time() - t
                 pos = target
+                t = time.time()
                 while pending and self.items[pending[0]].offset + self.items[pending[0]].nbytes <= pos:
                     index = pending.pop(0)
                     start = base + self.items[index].offset
                     checksums[index] = chunk_checksums(_bytes(self.buffer[start:start + self.items[index].nbytes]))
-        finally:
+                summing += time.time() - t
+            t = time.time()
+            writer.close()  # fsync: part of the write
+            busy += time.time() - t
+        except BaseException:
             writer.close()
+            raise
+        end = time.time()
+        recorder.add("write", first, end, size, busy=busy, files=1, direct_bytes=writer.direct_bytes,
+                     retries=writer.retries)
+        recorder.add("checksum", first, end, size, busy=summing)
+        recorder.record.info.setdefault("files", []).append(
+            {"file": name, "bytes": size, "seconds": round(busy, 6), "wall": round(end - first, 6),
+             "direct_bytes": writer.direct_bytes, "retries": writer.retries})
 
 
 @dataclass
