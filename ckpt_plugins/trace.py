@@ -117,13 +117,13 @@ def heatmap(ranks: Sequence[RankTelemetry], out_png: str, title: str = "") -> No
         table = [[max(table[i][j] for i in members) for j in range(len(phases))] for members in groups.values()]
         labels = [f"{host} (ranks {ranks[m[0]].rank}-{ranks[m[-1]].rank})" for host, m in groups.items()]
     rows = len(table)
-    height = min(40.0, 1.5 + 0.28 * rows)
+    height = min(16.0, 1.5 + (0.28 if rows <= 32 else 0.11) * rows)
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(phases), height))
     image = ax.imshow(table, aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set_xticks(range(len(phases)), phases, rotation=30, ha="right")
     step = max(1, rows // 48)  # at most ~48 row labels stay readable
     ax.set_yticks(range(0, rows, step), labels[::step], fontsize=8 if rows > 16 else 10)
-    fig.colorbar(image, ax=ax, label="seconds (busy, summed over the phase's threads)")
+    fig.colorbar(image, ax=ax, label="seconds (busy)")
     if rows <= 16 and len(phases) <= 12:
         peak = max((v for row in table for v in row), default=0.0)
         for i, row in enumerate(table):

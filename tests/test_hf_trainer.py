@@ -33,8 +33,7 @@ def train(rank, world, out_dir, resume, result_path, async_save, save_total_limi
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=GLOBAL_BATCH // world,
                              max_steps=STEPS, save_strategy="steps", save_steps=2, logging_steps=1,
                              learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.1,
-                             use_cpu=True, report_to=["tensorboard"], logging_dir=os.path.join(out_dir, "tb"),
-                             seed=0, dataloader_drop_last=True, ddp_backend="gloo",
+                             use_cpu=True, report_to=["tensorboard"], seed=0, dataloader_drop_last=True, ddp_backend="gloo",
                              save_total_limit=save_total_limit, disable_tqdm=True)
     trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=Tokens())
     hf_ext.trainer.enable(trainer, async_save=async_save)
@@ -74,7 +73,8 @@ def test_trainer_saves_through_ckpt_plugins_and_resumes_on_any_process_count(tmp
     # every save's figures went through the Trainer's own log(): its history and TensorBoard
     assert [h["ckpt/step"] for h in full["saves"]] == [h["step"] for h in full["saves"]] == [2, 4, 6]
     assert all(h["ckpt/stall_s"] > 0 and h["ckpt/save_gib"] > 0 and h["ckpt/commit_s"] > 0 for h in full["saves"])
-    assert sorted(tensorboard_scalars(run / "tb", "ckpt/stall_s")) == [2, 4, 6]
+    # the Trainer's TensorBoard callback, in its default log dir, with its "train/" prefix
+    assert sorted(tensorboard_scalars(run / "runs", "train/ckpt/stall_s")) == [2, 4, 6]
 
     for world in (2, 1):
         out = tmp_path / f"resume{world}"
@@ -98,7 +98,7 @@ def test_trainer_saves_through_ckpt_plugins_and_resumes_on_any_process_count(tmp
 def test_trainer_async_saves_rotate_only_committed_checkpoints(tmp_path):
     run = tmp_path / "run"
     run_env_ranks(2, train, str(run), None, tmp_path / "full.pt", True, 2)
-    assert sorted(os.listdir(run)) == ["checkpoint-4", "checkpoint-6", "tb"]
+    assert sorted(os.listdir(run)) == ["checkpoint-4", "checkpoint-6", "runs"]
     # async: each save is logged once it has committed (at a later step), under its own step
     assert sorted(h["ckpt/step"] for h in torch.load(tmp_path / "full.pt")["saves"]) == [2, 4, 6]
     for name in ("checkpoint-4", "checkpoint-6"):

@@ -85,7 +85,7 @@ def test_a_rank_killed_mid_write_leaves_the_previous_checkpoint_latest(tmp_path)
     assert "step_1  (latest)" in out.stdout and "step_2  INCOMPLETE" in out.stdout
     out = subprocess.run([BCP, "cleanup", root], capture_output=True, text=True)
     assert out.returncode == 0 and "removed step_2" in out.stdout, out.stderr
-    assert sorted(os.listdir(root)) == ["latest", "notes", "step_1"]
+    assert sorted(os.listdir(root)) == ["latest", "notes", "step_1", "telemetry.jsonl"]
 
 
 def disk_full_worker(rank, world, path):
