@@ -44,7 +44,7 @@ def report(doc: Dict[str, Any]) -> str:
         s = doc["summary"]
         lines.append(f"  whole save {s['seconds']:.3f} s, stall {s['stall']:.3f} s, to commit {s['commit']:.3f} s, "
                      f"{s['bytes'] / 2**30:.3f} GiB, {s['gbps']:.3f} GB/s")
-    lines.append(f"  {'phase':<15}{'slowest rank':>13}{'seconds':>10}{'median':>10}{'x median':>10}  throughput")
+    lines.append(f"  {'phase':<15}{'slowest rank':>13}{'busy s':>10}{'median':>10}{'x median':>10}  throughput")
     stragglers = []
     for j, name in enumerate(phases):
         column = [row[j] for row in table]
@@ -54,8 +54,8 @@ def report(doc: Dict[str, Any]) -> str:
         speed = (f"{phase.bytes / phase.wall / 1e9:.3f} GB/s" if phase is not None and phase.bytes and phase.wall > 0
                  else "")
         ratio = column[worst] / median if median > 0 else float("inf") if column[worst] > 0 else 1.0
-        lines.append(f"  {name:<15}{ranks[worst].rank:>13}{column[worst]:>10.3f}{median:>10.3f}"
-                     f"{ratio:>10.2f}  {speed}")
+        shown = f"{ratio:>10.2f}" if median > 0 else f"{'-':>10}"  # a phase of one rank (the coordinator's)
+        lines.append(f"  {name:<15}{ranks[worst].rank:>13}{column[worst]:>10.3f}{median:>10.3f}{shown}  {speed}")
         if len(ranks) > 1 and name not in WAITING and column[worst] > 0.05 and ratio >= 1.5:
             stragglers.append((column[worst] - median, ranks[worst].rank, name, column[worst], median))
     for _, rank, name, worst, median in sorted(stragglers, reverse=True)[:3]:
@@ -149,6 +149,10 @@ def chrome_trace(ranks: Sequence[RankTelemetry]) -> Dict[str, Any]:
             events.append({"ph": "X", "name": p.name, "pid": r.rank, "tid": 0, "ts": (p.start - t0) * 1e6,
                            "dur": max(p.wall, 0.0) * 1e6,
                            "args": {"bytes": p.bytes, "busy_s": round(p.seconds, 6), "count": p.count, **p.info}})
+        for lane, f in enumerate(r.info.get("files", []), 1):  # each data file's write on a track of its own
+            events.append({"ph": "X", "name": f"write {f['file']}", "pid": r.rank, "tid": lane,
+                           "ts": (f["start"] - t0) * 1e6, "dur": max(f["end"] - f["start"], 0.0) * 1e6,
+                           "args": {k: v for k, v in f.items() if k not in ("start", "end")}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

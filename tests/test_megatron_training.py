@@ -39,6 +39,19 @@ def megatron_args(tp, pp, save, *extra):
     return args
 
 
+def hooked_job(tp, pp, save, seed=0):
+    """Megatron's arguments with `--ckpt-backend bytecheckpoint`, our hook installed, and a bf16
+    GPTModel with its distributed optimizer and scheduler: (args, model, optimizer, scheduler)."""
+    args = megatron_args(tp, pp, save, "--ckpt-backend", "bytecheckpoint")
+    import megatron_util as mu
+    import megatron_ext.training as bcp
+    bcp.install()
+    mu.init_parallel(tp, pp)
+    model = mu.build_gpt(seed, dtype=torch.bfloat16)
+    opt = mu.build_optimizer(model)
+    return args, model, opt, mu.build_scheduler(opt)
+
+
 def hook_worker(rank, world, root, native):
     args = megatron_args(2, 2, root, "--ckpt-backend", "bytecheckpoint")
     import megatron_util as mu

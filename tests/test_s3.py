@@ -247,17 +247,12 @@ def megatron_hook_worker(rank, world, url, env):
     """Megatron's save_checkpoint/load_checkpoint (`--ckpt-backend bytecheckpoint`) with
     `--save`/`--load` an s3:// URL: the tracker file and the checkpoint live in the store."""
     os.environ.update(env)
-    from test_megatron_training import megatron_args
-    args = megatron_args(2, 1, url, "--ckpt-backend", "bytecheckpoint")
+    from test_megatron_training import hooked_job
+    _, model, opt, sched = hooked_job(2, 1, url)
     import megatron_util as mu
     import megatron_ext.training as bcp
     from megatron.training import checkpointing, training
     from ckpt_plugins.committed import read_pointer
-    bcp.install()
-    mu.init_parallel(2, 1)
-    model = mu.build_gpt(0, dtype=torch.bfloat16)
-    opt = mu.build_optimizer(model)
-    sched = mu.build_scheduler(opt)
     mu.train_step(model, opt, 0)
     training.save_checkpoint(1, [model], opt, sched, 5.0)
     assert read_pointer(url, bcp.TRACKER) == "1" and cp.is_checkpoint(f"{url}/iter_0000001")

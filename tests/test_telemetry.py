@@ -65,6 +65,8 @@ def test_a_slow_rank_is_named_the_straggler_of_its_phase_and_the_outputs_parse(t
     slices = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in slices} == {0, 1, 2} and all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
     assert {"snapshot", "write", "plan"} <= {e["name"] for e in slices if e["pid"] == SLOW}
+    files = [e for e in slices if e["pid"] == SLOW and e["name"].startswith("write data/")]  # one track each
+    assert len(files) >= 1 and all(e["tid"] > 0 and e["args"]["bytes"] > 0 for e in files)
     assert len(doc["ranks"]) == 3
     # the run's history: both saves and the load, as a table and a plot
     rows = trace.read_history((root / HISTORY_FILE).read_bytes())
@@ -137,18 +139,12 @@ def trace_phase(name, seconds):
 
 
 def megatron_logger_worker(rank, world, root, tb_dir):
-    from test_megatron_training import megatron_args
-    megatron_args(1, 1, root, "--ckpt-backend", "bytecheckpoint")
+    from test_megatron_training import hooked_job
+    _, model, opt, sched = hooked_job(1, 1, root)
     import megatron_util as mu
-    import megatron_ext.training as bcp
     from megatron.training import global_vars, training
     from torch.utils.tensorboard import SummaryWriter
-    bcp.install()
-    mu.init_parallel(1, 1)
     global_vars._GLOBAL_TENSORBOARD_WRITER = SummaryWriter(log_dir=tb_dir)  # what --tensorboard-dir sets up
-    model = mu.build_gpt(0, dtype=torch.bfloat16)
-    opt = mu.build_optimizer(model)
-    sched = mu.build_scheduler(opt)
     for iteration in (1, 2):
         mu.train_step(model, opt, iteration)
         training.save_checkpoint(iteration, [model], opt, sched, 0.0)

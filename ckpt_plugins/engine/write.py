@@ -177,7 +177,7 @@ class StagedWrite:
                      retries=writer.retries)
         recorder.add("checksum", first, end, size, busy=summing)
         recorder.record.info.setdefault("files", []).append(
-            {"file": name, "bytes": size, "seconds": round(busy, 6), "wall": round(end - first, 6),
+            {"file": name, "bytes": size, "start": first, "end": end, "seconds": round(busy, 6),
              "direct_bytes": writer.direct_bytes, "retries": writer.retries})
 
 
