@@ -46,7 +46,8 @@ def trainer(rank, world, port, path):
     if rank == 0:
         torch.save(full, os.path.join(os.path.dirname(path), "reference.pt"))
         print(f"[save] 2 ranks, FSDP2 Shard(0): {info.total_bytes / 1e3:.1f} kB, "
-              f"byte balance {info.balance:.2f}, {sum(info.timings.values()) * 1e3:.0f} ms")
+              f"byte balance {info.balance:.2f}, committed in {info.timings['stall'] * 1e3:.0f} ms "
+              f"(slowest: rank {info.summary()['slowest_rank']}, {info.summary()['slowest_phase']})")
     dist.destroy_process_group()
 
 

@@ -24,7 +24,7 @@ from faults import Armed, state, values
 
 BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
 SLOW = 2  # the rank whose writes are slow
-DELAY = 0.3  # seconds added to each of its writes
+DELAY = 0.5  # seconds added to each of its writes
 
 
 def slow_writes_worker(rank, world, root, out):
