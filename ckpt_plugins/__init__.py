@@ -2,7 +2,7 @@
 from .api import (Checkpointer, LoadResult, SaveHandle, SaveInfo, checkpointer, is_checkpoint, load, read_metadata,
                   save)
 from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, LoadMismatchError,
-                     MetadataError, NotACheckpointError, SaveError, UnsafePathError)
+                     MetadataError, NotACheckpointError, PeerLost, SaveError, UnsafePathError)
 from .manager import CheckpointManager
 from .fragment import Fragment, box_fragment, flat_fragments, flat_range_boxes
 from .rng import RNGState, rng_state, set_rng_state
@@ -14,6 +14,6 @@ __all__ = [
     "Fragment", "box_fragment", "flat_fragments", "flat_range_boxes", "tensor_fragments",
     "Handler", "Ignore", "SaveItems", "LoadItems", "register_handler",
     "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError", "LoadMismatchError",
-    "MetadataError", "NotACheckpointError", "SaveError", "UnsafePathError",
+    "MetadataError", "NotACheckpointError", "PeerLost", "SaveError", "UnsafePathError",
 ]
 __version__ = "0.1.0"

@@ -16,14 +16,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from .errors import CheckpointError, PeerLost
 from .failure import RankFailure, collect, failure_error
 
 GRACE = timedelta(seconds=2)  # how long survivors wait for each other to say they are alive
-
-
-class PeerLost(CheckpointError):
-    """A rank stopped answering (its process died, or its host): the job's group is broken."""
 
 
 def _talks(method):

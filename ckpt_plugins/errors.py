@@ -31,3 +31,7 @@ class LoadMismatchError(CheckpointError):
 
 class SaveError(CheckpointError):
     """A save failed on some rank; nothing was committed."""
+
+
+class PeerLost(CheckpointError):
+    """A rank stopped answering (its process died, or its host): the job's group is broken."""

@@ -20,7 +20,7 @@ import torch
 from .commit import Commit
 from .coordinator import Coordinator
 from .engine.write import StagedWrite, StageItem
-from .errors import SaveError
+from .errors import CheckpointError, SaveError
 from .failure import RankFailure, collect, failure_error
 from .format import DATA_DIR, Metadata, ObjectMeta
 from .fragment import sub_view
@@ -103,6 +103,11 @@ class Save:
         try:
             self.cached, info.plan_cached = self.cache.plan(coord, specs_of(fragments), aliases, failure, self.what,
                                                             meanwhile=early if copy_early else None)
+        except CheckpointError as exc:  # every failed save is a SaveError (a lost rank's PeerLost inside)
+            self.release()
+            if isinstance(exc, SaveError):
+                raise
+            raise SaveError(f"{self.what} failed: {exc}") from exc
         except BaseException:
             self.release()
             raise
