@@ -117,7 +117,9 @@ class Save:
             self.job = self._staged(self.cached)
         info.rank_bytes, info.balance = sum(item.nbytes for item in self.job.items), self.cached.balance
         info.collectives = coord.collectives - before
-        self.recorder.add("plan", t0, time.time(), cached=info.plan_cached)
+        end = time.time()
+        copying = self.recorder.record.phase("snapshot") if self._copied_early else None
+        self.recorder.add("plan", t0, end, busy=end - t0 - (copying.wall if copying else 0.0), cached=info.plan_cached)
 
     def _staged(self, cached: CachedPlan) -> StagedWrite:
         frags = self.fragments

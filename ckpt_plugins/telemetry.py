@@ -58,9 +58,10 @@ class RankTelemetry:
         return next((p for p in self.phases if p.name == name), None)
 
     def seconds(self, name: str) -> float:
-        """The phase's wall time on this rank (0 when it did not run here)."""
+        """How long the phase held this rank up: its wall time, or its busy time when that is
+        shorter (planning that let an async save's copy run inside it); 0 when it did not run."""
         p = self.phase(name)
-        return p.wall if p is not None else 0.0
+        return min(p.wall, p.seconds) if p is not None else 0.0
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -163,8 +164,8 @@ def summary(ranks: List[RankTelemetry], total_bytes: int) -> Dict[str, Any]:
     slow_rank, slow_phase, slow_seconds = None, None, 0.0
     for r in ranks:
         for p in r.phases:
-            if p.name not in WAITING and p.wall > slow_seconds:
-                slow_rank, slow_phase, slow_seconds = r.rank, p.name, p.wall
+            if p.name not in WAITING and r.seconds(p.name) > slow_seconds:
+                slow_rank, slow_phase, slow_seconds = r.rank, p.name, r.seconds(p.name)
     return {"step": ranks[0].info.get("step"), "seconds": round(end - start, 6), "stall": round(max(stalls), 6),
             "commit": round(commit, 6),
             "bytes": total_bytes, "gbps": round(total_bytes / commit / 1e9, 4) if commit > 0 else 0.0,
