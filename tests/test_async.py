@@ -280,15 +280,15 @@ def test_replicated_load_reads_each_byte_once(tmp_path, ring_bytes):
 
 
 def test_ring_reuses_memory_oldest_range_first(monkeypatch):
-    from ckpt_plugins.engine.ring import Ring as _Ring
+    from ckpt_plugins.engine.ring import Ring
     retired = []
-    ring = _Ring([100, 100, 100, 300])
+    ring = Ring([100, 100, 100, 300])
     assert ring.size == 4 * 4096 and ring.memory.data_ptr() % 4096 == 0  # ranges start page aligned
-    monkeypatch.setattr(_Ring, "ALIGN", 64)  # small numbers below
-    assert _Ring([100, 100, 100, 300]).size == 704  # all of them (aligned): less than the bound
-    monkeypatch.setattr(_Ring, "BYTES", 256)
-    assert _Ring([100, 300]).size == 320  # the bound, or the largest range when that is bigger
-    ring = _Ring([100, 100, 100])
+    monkeypatch.setattr(Ring, "ALIGN", 64)  # small numbers below
+    assert Ring([100, 100, 100, 300]).size == 704  # all of them (aligned): less than the bound
+    monkeypatch.setattr(Ring, "BYTES", 256)
+    assert Ring([100, 300]).size == 320  # the bound, or the largest range when that is bigger
+    ring = Ring([100, 100, 100])
     assert ring.size == 256
     spans = []
     for i in range(5):
