@@ -61,12 +61,15 @@ class Checkpointer:
 
     def save(self, path, state: Dict[str, Any], *, async_: bool = False, overlap: bool = False,
              framework: str = "torch", layout: Optional[Dict[str, Any]] = None, step: Optional[int] = None,
-             overwrite: bool = False, on_commit: Optional[Callable[[], None]] = None):
+             overwrite: bool = False, on_commit: Optional[Callable[[], None]] = None,
+             on_summary: Optional[Callable[[Dict[str, Any]], None]] = None):
         """Save `state` to `path`. Sync: returns SaveInfo once committed. `async_=True`: returns a
         SaveHandle once the snapshot is taken. `overlap=True`: returns a SaveHandle at once, the
         snapshot running in the background; call `wait_snapshot()` before the next optimizer step.
         `on_commit()` runs on the coordinating rank right after the commit, before the save counts
-        as done (a "latest" pointer, retention); its failure is the save's error.
+        as done (a "latest" pointer, retention); its failure is the save's error. `on_summary(figures)`
+        runs there too, just before, with the save's telemetry summary (a run's history); its
+        failure only logs.
         """
         coord = self._groups()
         storage = storage_for(path, direct_io=self.direct_io)
@@ -75,7 +78,7 @@ class Checkpointer:
         mode = "overlap" if overlap else "async" if async_ else "sync"
         save = Save(storage, state, coord, self.pool, self.cache, overwrite=overwrite, on_commit=on_commit,
                     meta_extra=dict(framework=framework, layout=dict(layout or {}), step=step), mode=mode,
-                    telemetry=self.telemetry)
+                    telemetry=self.telemetry, on_summary=on_summary)
         save.recorder.record.start = t0
         save.prepare(copy_early=mode == "async")
         self._last = save.handle

@@ -23,13 +23,17 @@ GRACE = timedelta(seconds=2)  # how long survivors wait for each other to say th
 
 
 def _talks(method):
-    """A collective: a broken connection becomes PeerLost naming the ranks that are gone."""
+    """A collective: a broken connection becomes PeerLost naming the ranks that are gone (any
+    other error, with every rank still answering, stays what it was)."""
     @functools.wraps(method)
     def wrapper(self: "Coordinator", *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
         except (RuntimeError, dist.DistError) as exc:
-            raise self.lost(exc) from None
+            lost = self.lost(exc)
+            if lost is None:
+                raise
+            raise lost from None
     return wrapper
 
 
@@ -141,10 +145,12 @@ class Coordinator:
 
     # ------------------------------------------------------------ lost ranks
 
-    def lost(self, exc: BaseException) -> PeerLost:
+    def lost(self, exc: BaseException) -> Optional[PeerLost]:
         """`exc` broke a collective: ask the job's store which ranks still answer (every survivor
-        says so and waits `GRACE` for the others) and name the rest."""
+        says so and waits `GRACE` for the others) and name the rest; None when all answer."""
         gone, note = self._silent_ranks()
+        if not gone and not note:
+            return None
         who = (f"rank {gone[0]} is gone" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))} are gone"
                ) if gone else note
         error = PeerLost(f"{who} (killed, or its host lost): the checkpoint's process group broke "

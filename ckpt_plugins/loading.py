@@ -114,8 +114,8 @@ class Load:
     def _read(self, plan: LoadPlan, metadata, requests: List[LoadRequest]) -> int:
         coord = self.coord
         shared = assign_transfers([r.reads for r in requests])
-        mine = [read_request(r)[:2] for r in plan.reads]
-        transfers = {i: shared[key] for i, key in enumerate(mine) if key in shared}
+        mine = requests[coord.rank].reads
+        transfers = {i: shared[req[:2]] for i, req in enumerate(mine) if req[:2] in shared}
         hosts = [r.host for r in requests]
         if not (shared and self.shared_memory and any(h is not None and hosts.count(h) > 1 for h in hosts)):
             hosts = None

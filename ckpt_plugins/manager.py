@@ -17,7 +17,7 @@ from .api import checkpointer as default_checkpointer
 from .errors import NotACheckpointError
 from .format import METADATA_FILE
 from .storage import storage_for
-from .telemetry import TELEMETRY_FILE, append_history, read_records, summary
+from .telemetry import append_history, summary
 
 LATEST = "latest"
 log = logging.getLogger("ckpt_plugins")
@@ -75,8 +75,9 @@ class CheckpointManager:
         def committed() -> None:
             self.storage.put_atomic(LATEST, str(int(step)).encode())
             self._retain(int(step))
-            self._remember(int(step))
-        return self.checkpointer.save(self.path(step), state, step=int(step), on_commit=committed, **options)
+        return self.checkpointer.save(self.path(step), state, step=int(step), on_commit=committed,
+                                      on_summary=lambda figures: self._append({**figures, "step": int(step),
+                                                                               "op": "save"}), **options)
 
     def load(self, state: Dict[str, Any], step: Optional[int] = None, **options):
         """Load `step` (default: latest) into `state`."""
@@ -92,15 +93,6 @@ class CheckpointManager:
             read = sum(r.phase("read").bytes for r in result.ranks if r.phase("read") is not None)
             self._append({**summary(result.ranks, read), "step": step, "op": "load"})
         return result
-
-    def _remember(self, step: int) -> None:
-        """Add the save's summary to the run's history (from the telemetry it kept)."""
-        entry = f"{self.name(step)}/{TELEMETRY_FILE}"
-        if self.storage.exists(entry):
-            try:
-                self._append({**read_records(self.storage.read_bytes(entry))["summary"], "step": step, "op": "save"})
-            except (OSError, ValueError, KeyError) as exc:
-                log.warning("%s: its telemetry is unreadable (%s); the run's history skips it", entry, exc)
 
     def _append(self, row: Dict[str, Any]) -> None:
         try:

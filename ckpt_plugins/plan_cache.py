@@ -18,7 +18,6 @@ from .plan import SavePlan, TensorSpec, WriteItem, plan_save
 class CachedPlan:
     key: bytes
     writes: List[WriteItem]  # this rank's
-    rank_bytes: int
     plan: Optional[SavePlan]  # the coordinator's global plan (None elsewhere)
     balance: float
 
@@ -36,7 +35,6 @@ class PlanReply:
     """The coordinator's answer to one rank's specs."""
     failure: Optional[RankFailure]
     writes: List[WriteItem]
-    rank_bytes: int = 0
     balance: float = 1.0
 
 
@@ -69,12 +67,12 @@ class PlanCache:
                 plan = plan_save([g.specs for g in gathered], files_per_rank=self.files_per_rank,
                                  aliases={k: v for g in gathered for k, v in g.aliases.items()},
                                  digests=[g.digest for g in gathered])
-                replies = [PlanReply(None, w, plan.rank_bytes[r], plan.balance) for r, w in enumerate(plan.writes)]
+                replies = [PlanReply(None, w, plan.balance) for w in plan.writes]
             except Exception as exc:
                 replies = [PlanReply(RankFailure.of(coord.rank, exc), [])] * coord.world_size
         reply: PlanReply = coord.scatter(replies)
         if reply.failure is not None:
             raise failure_error([reply.failure], f"planning {what}", then, SaveError)
-        self.cached = CachedPlan(key, reply.writes, reply.rank_bytes, plan if coord.is_coordinator else None,
+        self.cached = CachedPlan(key, reply.writes, plan if coord.is_coordinator else None,
                                  reply.balance)
         return self.cached, False

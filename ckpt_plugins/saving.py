@@ -57,9 +57,10 @@ class Outcome:
 class Save:
     def __init__(self, storage: Storage, state: Dict[str, Any], coord: Coordinator, pool: StagingPool,
                  cache: PlanCache, *, meta_extra: Dict[str, Any], overwrite: bool,
-                 on_commit: Optional[Callable[[], None]], mode: str = "sync", telemetry: bool = True):
+                 on_commit: Optional[Callable[[], None]], mode: str = "sync", telemetry: bool = True,
+                 on_summary: Optional[Callable[[Dict[str, Any]], None]] = None):
         self.storage, self.state, self.coord, self.pool, self.cache = storage, state, coord, pool, cache
-        self.meta_extra, self.overwrite, self.on_commit = meta_extra, overwrite, on_commit
+        self.meta_extra, self.overwrite, self.on_commit, self.on_summary = meta_extra, overwrite, on_commit, on_summary
         self.handle = SaveHandle(str(storage))
         self.what = f"save to {storage}"
         self.commit: Optional[Commit] = None
@@ -161,7 +162,6 @@ class Save:
         info, job, recorder = self.handle.info, self.job, self.recorder
         try:
             bg.begin()
-            report = WriteReport(None)
             try:
                 checksums = job.write(threads, recorder)
                 n = len(self.cached.writes)
@@ -180,7 +180,8 @@ class Save:
             reports = bg.gather(report)
             outcome = self._commit(reports, t) if bg.is_coordinator else None
             outcome = bg.broadcast(outcome)
-            recorder.add("commit_wait", t, time.time())
+            if not bg.is_coordinator:  # the coordinator's wait was recorded before it kept the telemetry
+                recorder.add("commit_wait", t, time.time())
             info.total_bytes = outcome.total_bytes
             info.telemetry = recorder.finish()
             info.ranks = [r.telemetry for r in reports] if bg.is_coordinator else [info.telemetry]
@@ -233,12 +234,16 @@ class Save:
         return Outcome([], metadata.total_bytes, committed=True)
 
     def _keep_telemetry(self, ranks: List[RankTelemetry], total_bytes: int) -> None:
+        """Every rank's records beside the checkpoint, and the summary to `on_summary` (a run's
+        history); neither is needed to load, so a failure here only logs."""
         if not self.recorder.enabled:
             return
+        figures = summary(ranks, total_bytes)
         try:
             self.storage.put_atomic(TELEMETRY_FILE, checkpoint_file(
-                ranks, "save", str(self.storage), self.meta_extra.get("step"),
-                {"summary": summary(ranks, total_bytes)}))
+                ranks, "save", str(self.storage), self.meta_extra.get("step"), {"summary": figures}))
+            if self.on_summary is not None:
+                self.on_summary(figures)
         except Exception as exc:
             log.warning("%s: the save committed, but its telemetry could not be kept: %s: %s",
                         self.storage, type(exc).__name__, exc)

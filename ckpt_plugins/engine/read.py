@@ -33,7 +33,6 @@ READ_PIECE = 8 << 20  # a big stored range is read as pieces of this size in par
 log = logging.getLogger("ckpt_plugins")
 
 
-
 def read_checked(storage: Storage, key: str, file: str, offset: int, nbytes: int, start: int, end: int,
                  crc32c: Sequence[int], chunk: int, buffer=None, recorder: Optional[Recorder] = None) -> bytearray:
     """Bytes [start, end) of an item stored at `offset`, verified against its chunk checksums."""
@@ -77,6 +76,11 @@ def copy_out(read: ReadItem, data, targets: Sequence[Fragment], dtype: torch.dty
 
 def _region_bytes(region, itemsize: int) -> int:
     return math.prod(region[1]) * itemsize
+
+
+def _payload_bytes(regions, itemsize: int) -> int:
+    """Bytes of the regions packed one after the other."""
+    return sum(_region_bytes(g, itemsize) for g in regions)
 
 
 def _contiguous_in(stored_lengths: Sequence[int], region) -> bool:
@@ -189,7 +193,7 @@ class _Job:
         self.packed: Dict[tuple, Optional[torch.Tensor]] = {
             g: None for _, g in self.remote if _needs_packing(read.stored.lengths, g)}
         self.ring_bytes = ((align_up(self.end - self.start, Ring.ALIGN) if self.direct is None else 0)
-                           + sum(align_up(sum(_region_bytes(g, dtype.itemsize) for g in regions), Ring.ALIGN)
+                           + sum(align_up(_payload_bytes(regions, dtype.itemsize), Ring.ALIGN)
                                  for regions in self.packed))
         step = max(chunk, READ_PIECE // chunk * chunk)  # pieces start on checksum chunks
         self.pieces = [(s, min(s + step, self.end)) for s in range(self.start, self.end, step)]
@@ -208,14 +212,14 @@ class _Job:
             self.data = memoryview(memory[:self.end - self.start].numpy())
             at = align_up(self.end - self.start, Ring.ALIGN)
         for regions in self.packed:
-            n = sum(_region_bytes(g, self.dtype.itemsize) for g in regions)
+            n = _payload_bytes(regions, self.dtype.itemsize)
             self.packed[regions] = memory[at:at + n]
             at = align_up(at + n, Ring.ALIGN)
 
     @property
     def send_bytes(self) -> int:
         """What goes to needers on other hosts (those on this host copy from shared memory)."""
-        return sum(_region_bytes(x, self.dtype.itemsize) for _, g in self.remote for x in g)
+        return sum(_payload_bytes(g, self.dtype.itemsize) for _, g in self.remote)
 
     def payload(self, regions) -> torch.Tensor:
         stored, first = self.read.stored, self.start // self.dtype.itemsize
@@ -296,7 +300,7 @@ def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, coord, s
         for r, g in job.remote:
             payload = None if job.failed else attempt(lambda: job.payload(g))
             if payload is None:  # garbage of the promised size: the load fails anyway
-                payload = torch.zeros(sum(_region_bytes(x, job.dtype.itemsize) for x in g), dtype=torch.uint8)
+                payload = torch.zeros(_payload_bytes(g, job.dtype.itemsize), dtype=torch.uint8)
             post(job.works, coord.isend, payload, r, tag)
         if job.local:
             offset = 0 if job.memory is None else job.memory.data_ptr() - segment.tensor.data_ptr()
@@ -342,15 +346,14 @@ def _run_reads(storage, jobs, reads, targets, dtypes, chunk, transfers, coord, s
 
         def dispatch() -> None:  # in the transfers' order, waiting for ring space as needed
             for job in jobs:
-                try:
-                    if job.ring_bytes:
+                if job.ring_bytes:
+                    try:
                         job.take(read_ring.take(job.ring_bytes, lambda job=job: retire(job)))
-                    futures.extend(pool.submit(run_piece, job, s, e) for s, e in job.pieces)
-                    if not job.pieces:  # nothing to read (an empty range) still completes its transfer
-                        copier.submit(finish, job)
-                except BaseException as exc:  # e.g. no memory for the ring: nothing is read,
-                    failed.append(exc)       # but the promised sends still go out
-                    job.failed = True
+                    except BaseException as exc:  # e.g. no memory for the ring: nothing is read,
+                        failed.append(exc)       # but its pieces still hand it to the copier,
+                        job.failed = True        # which sends what was promised
+                futures.extend(pool.submit(run_piece, job, s, e) for s, e in job.pieces)
+                if not job.pieces:  # nothing to read (an empty range) still completes its transfer
                     copier.submit(finish, job)
 
         dispatcher = threading.Thread(target=dispatch, name="ckpt-read-dispatch", daemon=True)
@@ -397,7 +400,7 @@ class _Receive:
                  local: bool):
         self.read, self.transfer, self.targets, self.dtype, self.local = read, transfer, targets, dtype, local
         self.regions = read_regions(read)
-        self.nbytes = sum(_region_bytes(g, dtype.itemsize) for g in self.regions)
+        self.nbytes = _payload_bytes(self.regions, dtype.itemsize)
         self.direct = None if local else _contiguous_destination(read, targets, dtype, whole=False)
         self.buffer: Optional[torch.Tensor] = None
         self.work = None
