@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 import ckpt_plugins as cp
+from ckpt_plugins.results import take_finished
 
 from .safetensors_io import HF_CONFIG
 
@@ -52,14 +53,23 @@ def accelerator_state(accelerator, rng: bool = True) -> Dict[str, Any]:
 
 def save_state(accelerator, path, *, step=None, async_: bool = False, **options):
     """Save what `accelerator` tracks to `path` (every process calls it). `async_=True` returns a
-    handle once the snapshot is taken; call `handle.wait()` before relying on the checkpoint."""
+    handle once the snapshot is taken; call `handle.wait()` before relying on the checkpoint.
+
+    Each save's stall, time to commit, size and throughput go to the accelerator's trackers
+    (`accelerator.log`, after `init_trackers`): a sync save's at once, an async one's at the
+    first save_state after it committed."""
     state = accelerator_state(accelerator)
     if accelerator._models:
         config = getattr(accelerator.unwrap_model(accelerator._models[0]), "config", None)
         if config is not None and hasattr(config, "to_json_string"):
             state[HF_CONFIG] = config.to_json_string()
-    return cp.save(path, state, step=step, async_=async_, framework="accelerate",
-                   layout={"num_processes": accelerator.num_processes}, **options)
+    result = cp.save(path, state, step=step, async_=async_, framework="accelerate",
+                     layout={"num_processes": accelerator.num_processes}, **options)
+    unlogged = accelerator.__dict__.setdefault("_ckpt_plugins_unlogged", [])
+    unlogged.append(result)
+    for info in take_finished(unlogged):
+        accelerator.log(info.metrics(), step=info.summary()["step"])
+    return result
 
 
 def load_state(accelerator, path, *, strict: bool = True) -> cp.LoadResult:

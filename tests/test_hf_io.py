@@ -98,7 +98,8 @@ def accelerate_run(rank, world, path, ref_path, resume):
     from accelerate import Accelerator
 
     import hf_ext.accelerate as hacc
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=f"{path}-tb")
+    accelerator.init_trackers("run")
     model = tiny_llama(0 if not resume else 5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -120,6 +121,7 @@ def accelerate_run(rank, world, path, ref_path, resume):
         ref = full_state(accelerator.unwrap_model(model), opt.optimizer)
         sched_state, counter = sched.state_dict(), accelerator.step
         loss = step(2)
+        accelerator.end_training()
         if rank == 0:
             torch.save({"state": ref, "loss": loss, "sched": sched_state, "step": counter}, ref_path)
         return
@@ -133,6 +135,10 @@ def accelerate_run(rank, world, path, ref_path, resume):
 
 
 def test_accelerate_save_and_load_state_across_process_counts(tmp_path):
+    from test_hf_trainer import tensorboard_scalars
     run_env_ranks(2, accelerate_run, tmp_path / "c", tmp_path / "ref.pt", False)
+    # the save's figures reached accelerate's own tracker, at the saved step
+    stalls = tensorboard_scalars(tmp_path / "c-tb", "ckpt/stall_s")
+    assert list(stalls) == [2] and stalls[2] > 0
     run_env_ranks(1, accelerate_run, tmp_path / "c", tmp_path / "ref.pt", True)
     run_env_ranks(2, accelerate_run, tmp_path / "c", tmp_path / "ref.pt", True)
