@@ -12,7 +12,7 @@ import logging
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -251,19 +251,25 @@ class OptimizerHandler(Handler):
     covers. Param-group hyperparameters are one object, matched to groups by parameter names.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, layouts: Dict[int, ParamLayout],
-                 groups: Optional[List[Tuple[dict, List[torch.Tensor]]]] = None):
-        """`groups`: (param group, its parameters) when the optimizer's own `params` lists are not
-        filled at checkpoint time (DeepSpeed ZeRO-3 fills them only around its step)."""
-        self.optimizer = optimizer
-        self.groups = groups if groups is not None else [(g, list(g["params"])) for g in optimizer.param_groups]
-        self.layouts = {}
+    def __init__(self, optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+                 layouts: Dict[int, ParamLayout], groups: Optional[List[Tuple[dict, List[torch.Tensor]]]] = None):
+        """`optimizer`: one, or several stepping disjoint parameters (Megatron's chained dense and
+        expert optimizers) whose groups are then one list. `groups`: (param group, its parameters)
+        when one optimizer's own `params` lists are not filled at checkpoint time (DeepSpeed ZeRO-3
+        fills them only around its step)."""
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self.groups = groups if groups is not None else [(g, list(g["params"])) for o in optimizers
+                                                         for g in o.param_groups]
+        self.layouts, self.states = {}, {}
+        for o in optimizers:
+            self.states.update((id(p), o.state) for g in o.param_groups for p in g["params"])
         for _, params in self.groups:
             for p in params:
                 if id(p) not in layouts:
                     raise ValueError(f"optimizer parameter of shape {tuple(p.shape)} belongs to no module "
                                      "in the state: save the model in the same state dict")
                 self.layouts[id(p)] = layouts[id(p)]
+                self.states.setdefault(id(p), optimizers[0].state)
 
     def _params(self):
         return [p for _, params in self.groups for p in params]
@@ -272,7 +278,7 @@ class OptimizerHandler(Handler):
         items = SaveItems()
         for p in self._params():
             layout = self.layouts[id(p)]
-            for sname, value in self.optimizer.state.get(p, {}).items():
+            for sname, value in self.states[id(p)].get(p, {}).items():
                 key_of = lambda n, s=sname: f"{prefix}/{n}/{s}"  # noqa: E731
                 if _param_shaped(value, p):
                     items.fragments += layout.fragments(value, key_of)
@@ -297,9 +303,10 @@ class OptimizerHandler(Handler):
                     stored.setdefault(pname, set()).add(sname)
         for p in self._params():
             layout = self.layouts[id(p)]
-            if p not in self.optimizer.state:
-                items.undo.append(lambda p=p: self.optimizer.state.pop(p, None))
-            state = self.optimizer.state[p]
+            owner = self.states[id(p)]
+            if p not in owner:
+                items.undo.append(lambda p=p, owner=owner: owner.pop(p, None))
+            state = owner[p]
             snames = set(state).union(*(stored.get(n, set()) for n in layout.names))
             for sname in sorted(snames):  # same order on every rank
                 key_of = lambda n, s=sname: f"{prefix}/{n}/{s}"  # noqa: E731

@@ -18,6 +18,7 @@ import torch
 
 from ckpt_plugins.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from ckpt_plugins.committed import read_object
+from ckpt_plugins.families.hf_config import HF_CONFIG
 from ckpt_plugins.format import dtype_from_name, dtype_name
 from ckpt_plugins.offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
 from ckpt_plugins.plan import TensorSpec, choose_source
@@ -25,8 +26,6 @@ from ckpt_plugins.state import MODEL, master_key
 from ckpt_plugins.storage import AlignedStream, storage_for
 
 SAFE_NAME, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
-# The object holding the model's HF config.json text, when a save knows it: exports write it out.
-HF_CONFIG = "hf_config"
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}

@@ -1,15 +1,18 @@
-"""megatron-core GPT models and optimizers as fragments under HF Llama canonical names.
+"""megatron-core GPT models (dense and mixture-of-experts) and optimizers as fragments under
+canonical names (`ckpt_plugins.families.megatron`).
 
 Every rank describes what it holds, from Megatron's own bookkeeping, as views; nothing is gathered:
-- weights (`model/<hf name>`) in the training dtype: each TP-local tensor cut into segments
-  (llama.hf_segments); DP replicas hold the same boxes, which the save plan writes once;
-- optimizer state (`optim/<hf name>/exp_avg`, ...) and, when training in bf16, fp32 masters
-  (`optim/<hf name>/master`): per main parameter the optimizer steps. The distributed optimizer's
-  main parameter is elements [start, end) of the flattened TP-local parameter, cut at an arbitrary
-  position: its flat-range boxes are intersected with the segments.
+- weights (`model/<name>`) in the training dtype, and persistent buffers (the router's expert
+  bias): each local tensor cut into segments; DP and expert-DP replicas hold the same boxes, which
+  the save plan writes once;
+- optimizer state (`optim/<name>/exp_avg`, ...) and, when training in bf16, fp32 masters
+  (`optim/<name>/master`): per main parameter the optimizers (dense and expert, chained) step.
+  The distributed optimizer's main parameter is elements [start, end) of the flattened local
+  parameter, cut at an arbitrary position: its flat-range boxes are intersected with the segments.
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -21,24 +24,35 @@ from ckpt_plugins.fragment import Fragment, flat_views, intersect, sub_view
 from ckpt_plugins.state import (MASTER, MODEL, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
                                 SaveItems, add_master_sources)
 
-from .llama import Dims, Segment, hf_segments
+from ckpt_plugins.families.hf_config import ModelConfig, hf_config
+from ckpt_plugins.families.megatron import Dims, Ranks, Segment, canonical_segments, megatron_family
 
 
 def _pieces(segments: Sequence[Segment], local_shape, tensor: torch.Tensor,
             start: Optional[int]) -> Iterator[Tuple[Segment, torch.Tensor, Tuple[int, ...]]]:
     """(segment, view, offsets in the segment's tensor) for every part of `tensor` in a segment.
     `tensor` is shaped like the local parameter, or (start given) 1-D: its elements [start, ...)."""
-    if start is None:
-        boxes = [((0,) * len(local_shape), tuple(local_shape), tensor)]
-    else:
-        boxes = [(offsets, lengths, tensor[begin:begin + math.prod(lengths)].view(lengths))
-                 for (offsets, lengths), begin in flat_views(local_shape, start, tensor.numel())]
+    boxes_of = {}
     for seg in segments:
-        for offsets, lengths, view in boxes:
+        shape = seg.view or tuple(local_shape)
+        if shape not in boxes_of:
+            boxes_of[shape] = ([((0,) * len(shape), shape, tensor.view(shape))] if start is None else
+                               [(offsets, lengths, tensor[begin:begin + math.prod(lengths)].view(lengths))
+                                for (offsets, lengths), begin in flat_views(shape, start, tensor.numel())])
+        for offsets, lengths, view in boxes_of[shape]:
             inter = intersect((offsets, lengths), seg.local)
-            if inter is not None:
-                at = tuple(o + (i - l) for o, i, l in zip(seg.offsets, inter[0], seg.local[0]))
-                yield seg, sub_view(view, offsets, inter), at
+            if inter is None:
+                continue
+            piece = sub_view(view, offsets, inter)
+            rel = [i - l for i, l in zip(inter[0], seg.local[0])]
+            if seg.axes is None:
+                yield seg, piece, tuple(o + r for o, r in zip(seg.offsets, rel))
+                continue
+            rest = [d for d in range(piece.dim()) if d not in seg.axes]
+            piece = piece.permute(*seg.axes, *rest)
+            for _ in rest:  # dimensions of length 1 in the box
+                piece = piece.select(-1, 0)
+            yield seg, piece, tuple(o + rel[a] for o, a in zip(seg.offsets, seg.axes))
 
 
 def segment_fragments(segments: Sequence[Segment], local_shape, tensor: torch.Tensor,
@@ -58,28 +72,60 @@ def _chunks(model) -> list:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-class GPTLayout:
-    """Each local parameter's global Megatron name and segments, over all model chunks."""
+def model_dims(gpt, vocab_size: Optional[int] = None, family: Optional[str] = None) -> Dims:
+    """The canonical mapping's view of a GPTModel's TransformerConfig."""
+    cfg = gpt.config
+    experts = int(cfg.num_moe_experts or 0)
+    shared = int(getattr(cfg, "moe_shared_expert_intermediate_size", None) or 0)
+    mla = bool(getattr(cfg, "multi_latent_attention", False))
+    family = family or megatron_family(
+        moe=bool(experts), mla=mla, qk_norm=bool(cfg.qk_layernorm), shared_experts=bool(shared),
+        qkv_bias=bool(cfg.add_qkv_bias or cfg.add_bias_linear), shared_gate=bool(cfg.moe_shared_expert_gate))
+    return Dims(hidden=cfg.hidden_size, ffn=cfg.ffn_hidden_size, heads=cfg.num_attention_heads,
+                groups=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.kv_channels,
+                vocab=vocab_size or gpt.vocab_size, tied=gpt.share_embeddings_and_output_weights,
+                gated=cfg.gated_linear_unit, family=family, experts=experts,
+                moe_ffn=int(cfg.moe_ffn_hidden_size or 0) if experts else 0, shared_ffn=shared, mla=mla)
 
-    def __init__(self, model, vocab_size: Optional[int] = None):
-        from megatron.core import parallel_state as ps
+
+def parallel_ranks() -> Ranks:
+    from megatron.core import parallel_state as ps
+    return Ranks(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                 ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+                 ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+
+
+def _persistent_buffers(module) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Buffers that are part of the module's state_dict (the router's expert bias; not its
+    per-step token counts, which every optimizer step uses and zeroes)."""
+    for mname, sub in module.named_modules():
+        for bname, buf in sub._buffers.items():
+            if buf is not None and bname not in sub._non_persistent_buffers_set:
+                yield (f"{mname}.{bname}" if mname else bname), buf
+
+
+class GPTLayout:
+    """Each local parameter's (and persistent buffer's) global Megatron name and segments, over
+    all model chunks. `family`: the HF family whose names to use (default: from the config)."""
+
+    def __init__(self, model, vocab_size: Optional[int] = None, family: Optional[str] = None):
         from megatron.core.utils import unwrap_model
 
-        tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-        self.params: List[Tuple[torch.nn.Parameter, str, List[Segment]]] = []
+        ranks = parallel_ranks()
+        self.params: List[Tuple[torch.Tensor, str, List[Segment]]] = []
+        self.buffers: List[Tuple[torch.Tensor, str, List[Segment]]] = []
         self.low_precision = False
         for chunk in _chunks(model):
             gpt = unwrap_model(chunk)
-            cfg = gpt.config
-            dims = Dims(hidden=cfg.hidden_size, ffn=cfg.ffn_hidden_size, heads=cfg.num_attention_heads,
-                        groups=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.kv_channels,
-                        vocab=vocab_size or gpt.vocab_size, tied=gpt.share_embeddings_and_output_weights,
-                        gated=cfg.gated_linear_unit)
-            self.low_precision |= bool(cfg.bf16 or cfg.fp16)
+            dims = model_dims(gpt, vocab_size, family)
+            self.low_precision |= bool(gpt.config.bf16 or gpt.config.fp16)
             for local, p in gpt.named_parameters():
                 name = _global_name(gpt, local)
                 dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-                self.params.append((p, name, hf_segments(name, tuple(p.shape), dims, tp_rank, tp_size, dim)))
+                self.params.append((p, name, canonical_segments(name, tuple(p.shape), dims, ranks, dim)))
+            for local, b in _persistent_buffers(gpt):
+                name = _global_name(gpt, local)
+                self.buffers.append((b, name, canonical_segments(name, tuple(b.shape), dims, ranks)))
         self.by_id = {id(p): (name, segs) for p, name, segs in self.params}
 
     def names(self, param) -> Tuple[Tuple[str, ...], Tuple[Tuple[int, ...], ...]]:
@@ -88,7 +134,7 @@ class GPTLayout:
         return tuple(named), tuple(named.values())
 
     def weight_fragments(self, prefix: str) -> List[Fragment]:
-        return [f for p, _, segs in self.params
+        return [f for p, _, segs in self.params + self.buffers
                 for f in segment_fragments(segs, p.shape, p.detach(), lambda n: f"{prefix}/{n}")]
 
     def main_layout(self, param, start: Optional[int]) -> ParamLayout:
@@ -108,24 +154,26 @@ def _global_name(gpt, local: str) -> str:
 
 
 class MegatronModel(Handler):
-    """The weights of a (list of) Megatron model chunk(s), DDP / Float16Module wrapped or not.
-    `vocab_size`: the real vocabulary when the model's is padded (rows past it are not stored)."""
+    """The weights and persistent buffers of a (list of) Megatron model chunk(s), DDP /
+    Float16Module wrapped or not. `vocab_size`: the real vocabulary when the model's is padded (rows
+    past it are not stored); `family`: the HF family whose names to use (default: from the config,
+    `families.megatron.megatron_family`)."""
 
-    def __init__(self, model, vocab_size: Optional[int] = None):
-        self.model, self.vocab_size = model, vocab_size
+    def __init__(self, model, vocab_size: Optional[int] = None, family: Optional[str] = None):
+        self.model, self.vocab_size, self.family = model, vocab_size, family
 
     def save_items(self, prefix: str) -> SaveItems:
-        return SaveItems(fragments=GPTLayout(self.model, self.vocab_size).weight_fragments(prefix))
+        return SaveItems(fragments=GPTLayout(self.model, self.vocab_size, self.family).weight_fragments(prefix))
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
-        layout = GPTLayout(self.model, self.vocab_size)
+        layout = GPTLayout(self.model, self.vocab_size, self.family)
         frags = add_master_sources(prefix, layout.weight_fragments(prefix))
         for frag in frags:  # bf16 weights are a rounding of the fp32 masters: any stored copy will do
             frag.cast = layout.low_precision
 
         def pad() -> None:
             with torch.no_grad():
-                for p, _, segs in layout.params:
+                for p, _, segs in layout.params + layout.buffers:
                     zero_padding(segs, p.shape, p.data)
         return LoadItems(fragments=frags, finish=[pad])
 
@@ -157,25 +205,34 @@ def main_params(inner) -> List[Tuple[torch.nn.Parameter, torch.Tensor, Optional[
 _GROUP_KIND = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "default_config")
 
 
+def _layout_free(groups: List[dict]) -> List[dict]:
+    """Saved param groups without `is_expert_parallel`, groups then equal merged: which optimizer
+    (dense or expert) steps an expert depends on the EP and expert-TP sizes, not on its
+    hyperparameters, and the flag is the live group's own."""
+    merged: dict = {}
+    for g in groups:
+        rest = {k: v for k, v in g.items() if k not in ("params", "is_expert_parallel")}
+        merged.setdefault(json.dumps(rest, sort_keys=True, default=str), {**rest, "params": []})["params"] += g["params"]
+    return list(merged.values())
+
+
 class MegatronOptimizer(Handler):
     """Optimizer state and fp32 masters of Megatron's optimizers (distributed or not, fp32 or
-    bf16), per canonical parameter, through the core's OptimizerHandler. With
+    bf16; a MoE model's dense and expert optimizers chained), per canonical parameter, through the
+    core's OptimizerHandler. With
     `optimizer_state=False` a load fills the masters only (from the weights) and accepts the rest."""
 
-    def __init__(self, optimizer, model, vocab_size: Optional[int] = None, optimizer_state: bool = True):
-        inners = _inner_optimizers(optimizer)
-        if len(inners) != 1:
-            raise NotImplementedError("megatron_ext handles one chained optimizer (dense models); got "
-                                      f"{len(inners)}")
-        self.optimizer, self.inner = optimizer, inners[0]
-        self.layout = GPTLayout(model, vocab_size)
+    def __init__(self, optimizer, model, vocab_size: Optional[int] = None, optimizer_state: bool = True,
+                 family: Optional[str] = None):
+        self.optimizer, self.inners = optimizer, _inner_optimizers(optimizer)
+        self.layout = GPTLayout(model, vocab_size, family)
         self.optimizer_state = optimizer_state
 
     def _parts(self):
-        mains = main_params(self.inner)
+        mains = [m for inner in self.inners for m in main_params(inner)]
         layouts = {id(m): self.layout.main_layout(p, start) for p, m, start in mains}
         masters = [(m, layouts[id(m)]) for p, m, _ in mains if m.dtype != p.dtype]
-        return OptimizerHandler(self.inner.optimizer, layouts), masters
+        return OptimizerHandler([inner.optimizer for inner in self.inners], layouts), masters
 
     @staticmethod
     def _master_fragments(masters, prefix: str) -> List[Fragment]:
@@ -193,7 +250,7 @@ class MegatronOptimizer(Handler):
         """Param groups naming every rank's parameters (the saved object is written by one rank,
         and a PP stage or DP shard holds only some). The names never change during a run: they are
         gathered once per optimizer."""
-        cached = getattr(self.inner, "_ckpt_plugins_group_names", None)
+        cached = getattr(self.optimizer, "_ckpt_plugins_group_names", None)
         if cached is None:
             mine = [(tuple(g.get(k) for k in _GROUP_KIND), g["params"]) for g in groups]
             everyone = [mine]
@@ -204,14 +261,40 @@ class MegatronOptimizer(Handler):
             for rank_groups in everyone:
                 for kind, names in rank_groups:
                     cached.setdefault(kind, {}).update(dict.fromkeys(names))  # ordered union
-            self.inner._ckpt_plugins_group_names = cached
+            self.optimizer._ckpt_plugins_group_names = cached
         return [{**g, "params": list(cached[tuple(g.get(k) for k in _GROUP_KIND)])} for g in groups]
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         handler, masters = self._parts()
         items = handler.load_items(prefix, metadata) if self.optimizer_state else Ignore().load_items(prefix, metadata)
+        key = f"{prefix}/param_groups"
+        if key in items.objects:
+            apply = items.objects[key]
+            items.objects[key] = lambda saved: apply(_layout_free(saved))
         for frag in self._master_fragments(masters, prefix):
             name = frag.key[len(prefix) + 1:-len(MASTER) - 1]
             frag.sources, frag.cast = (f"{MODEL}/{name}",), True
             items.fragments.append(frag)
         return items
+
+
+def hf_config_json(model, vocab_size: Optional[int] = None, family: Optional[str] = None) -> str:
+    """The config.json `transformers` would write for this Megatron model (first chunk's config;
+    every chunk shares it): save it as the `hf_config` object and `bcp export` writes it out."""
+    from megatron.core.utils import unwrap_model
+
+    gpt = unwrap_model(_chunks(model)[0])
+    cfg, dims = gpt.config, model_dims(gpt, vocab_size, family)
+    freq = cfg.moe_layer_freq
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(cfg.num_layers)]
+    first_dense = next((i for i, moe in enumerate(pattern) if moe), len(pattern)) if dims.experts else 0
+    mla = {}
+    if dims.mla:
+        mla = dict(q_lora_rank=cfg.q_lora_rank or 0, kv_lora_rank=cfg.kv_lora_rank, qk_nope_dim=cfg.qk_head_dim,
+                   qk_rope_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim)
+    m = ModelConfig(dims=dims, layers=cfg.num_layers, norm_eps=cfg.layernorm_epsilon,
+                    rope_theta=float(getattr(gpt, "rotary_base", 10000)), max_positions=gpt.max_sequence_length,
+                    dtype=str(cfg.params_dtype).replace("torch.", ""), topk=cfg.moe_router_topk or 0,
+                    first_dense=first_dense, norm_topk=not cfg.moe_router_pre_softmax,
+                    routed_scaling=float(cfg.moe_router_topk_scaling_factor or 1.0), **mla)
+    return json.dumps(hf_config(m), indent=2)

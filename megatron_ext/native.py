@@ -20,12 +20,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ckpt_plugins.errors import CorruptCheckpointError, NotACheckpointError, UnsafePathError
+from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments
 from ckpt_plugins.foreign import StandIn, load_pickle_restricted, load_torch_inert
 from ckpt_plugins.offline import LazyFragment, write_checkpoint
 from ckpt_plugins.state import MASTER, MODEL, OPTIM
 
 from .gpt import _pieces
-from .llama import Dims, hf_segments
 from .training import checkpoint_dir, tracked_iteration
 
 DCP_METADATA = ".metadata"
@@ -151,7 +151,7 @@ def _model_fragments(ck: DcpCheckpoint, dims: Dims) -> List[LazyFragment]:
             name = f"decoder.layers.{layer}.{fqn[len('decoder.layers.'):]}" if stacked else fqn
             local = shape[1:] if stacked else shape
             load = (lambda f=fqn, i=layer: ck.tensor(f)[i]) if stacked else (lambda f=fqn: ck.tensor(f))
-            frags += _lazy(lambda n: f"{MODEL}/{n}", hf_segments(name, local, dims), local, load, None,
+            frags += _lazy(lambda n: f"{MODEL}/{n}", canonical_segments(name, local, dims), local, load, None,
                            math.prod(local), meta.properties.dtype)
     return frags
 
@@ -225,7 +225,7 @@ def _optimizer_fragments(ck: DcpCheckpoint, args, dims: Dims, padded_vocab: int,
                             "transformer-engine spec or another Megatron version?); pass --weights-only")
                     params.pop(0)
                     pos = start + numel
-                    segments = hf_segments(name, shape, dims, tp_rank, tp, dim)
+                    segments = canonical_segments(name, shape, dims, Ranks(tp_rank, tp), dim)
                     for seg in segments:
                         if seg.name is not None:
                             one_d[seg.name] = len(shape) == 1

@@ -26,11 +26,13 @@ from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
 from ckpt_plugins.committed import read_pointer
+from ckpt_plugins.families.hf_config import HF_CONFIG
+from ckpt_plugins.families.megatron import FAMILIES
 from ckpt_plugins.results import take_finished
 from ckpt_plugins.state import Handler, LoadItems, SaveItems
 from ckpt_plugins.storage import storage_for
 
-from .gpt import MegatronModel, MegatronOptimizer
+from .gpt import MegatronModel, MegatronOptimizer, hf_config_json
 
 BACKEND = "bytecheckpoint"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -41,6 +43,9 @@ def add_arguments(parser):
     group = parser.add_argument_group("ckpt_plugins")
     group.add_argument("--ckpt-backend", choices=["native", BACKEND], default="native",
                        help="'bytecheckpoint': save and load through ckpt_plugins (parallelism-agnostic, HF names)")
+    group.add_argument("--ckpt-hf-family", choices=sorted(FAMILIES), default=None,
+                       help="the HF family whose tensor names the checkpoint uses (default: from the model's "
+                            "config; a MoE model without q/k norms or shared experts is taken for Mixtral)")
     return parser
 
 
@@ -103,11 +108,12 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far):
     from megatron.training import get_args
     args = get_args()
-    vocab = _real_vocab(args)
-    state: Dict[str, Any] = {"model": MegatronModel(model, vocab),
-                             "megatron": RunState(iteration, num_floating_point_operations_so_far, args)}
+    vocab, family = _real_vocab(args), getattr(args, "ckpt_hf_family", None)
+    state: Dict[str, Any] = {"model": MegatronModel(model, vocab, family),
+                             "megatron": RunState(iteration, num_floating_point_operations_so_far, args),
+                             HF_CONFIG: hf_config_json(model, vocab, family)}
     if optimizer is not None and not args.no_save_optim:
-        state["optim"] = MegatronOptimizer(optimizer, model, vocab)
+        state["optim"] = MegatronOptimizer(optimizer, model, vocab, family=family)
         if opt_param_scheduler is not None:
             state["sched"] = opt_param_scheduler
     if not args.no_save_rng:
@@ -120,6 +126,8 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
                    framework="megatron", step=int(iteration), overwrite=True, on_commit=write_tracker,
                    layout={"tp": _ps().get_tensor_model_parallel_world_size(),
                            "pp": _ps().get_pipeline_model_parallel_world_size(),
+                           "ep": _ps().get_expert_model_parallel_world_size(),
+                           "etp": _ps().get_expert_tensor_parallel_world_size(),
                            "dp": _ps().get_data_parallel_world_size(),
                            "distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False))})
     _unlogged.append(result)
@@ -183,14 +191,15 @@ def load(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: 
             return None  # a native Megatron checkpoint
         raise cp.IncompleteCheckpointError(f"{path} has no committed ckpt_plugins checkpoint (a save that did not "
                                            "finish?): point --load at a committed one or pass --ckpt-step")
-    vocab = _real_vocab(args)
+    vocab, family = _real_vocab(args), getattr(args, "ckpt_hf_family", None)
     full = not args.finetune
     run = RunState()
-    state: Dict[str, Any] = {"model": MegatronModel(model, vocab), "megatron": run}
+    state: Dict[str, Any] = {"model": MegatronModel(model, vocab, family), "megatron": run}
     metadata = cp.read_metadata(path)
     stored = {k.split("/", 1)[0] for k in list(metadata.tensors) + list(metadata.objects)}
     if optimizer is not None and "optim" in stored:
-        state["optim"] = MegatronOptimizer(optimizer, model, vocab, optimizer_state=full and not args.no_load_optim)
+        state["optim"] = MegatronOptimizer(optimizer, model, vocab, optimizer_state=full and not args.no_load_optim,
+                                           family=family)
     if full and not args.no_load_optim and opt_param_scheduler is not None and "sched" in stored:
         state["sched"] = opt_param_scheduler
     if full and not args.no_load_rng and "rng" in stored:

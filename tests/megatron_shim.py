@@ -24,6 +24,12 @@ idempotent. What it changes, and why (see /work/shared/FACTS.md, "Megatron-core 
   ``torch.cuda._lazy_call``, which on a CPU build fail or queue the call forever).
 * ``typing.override`` (Python 3.12) aliased to ``typing_extensions.override``: megatron.training's
   model builders import it, and the 0.19.2 wheel is installed on 3.11 (see README).
+* The MoE alltoall dispatcher moves its split sizes to the host as NumPy arrays only when they are
+  CUDA tensors (`moe_utils.maybe_move_tensor_to_cpu`); on CPU they stay tensors, which gloo's
+  `all_to_all_single` rejects. On CPU they become the same NumPy arrays the GPU path makes.
+* torch's norms refuse sequence parallelism (`WrappedTorchNorm`), which megatron requires for MoE
+  with TP; Apex and TE norms, absent here, support it by marking their weights `sequence_parallel`
+  so that their gradients are summed over TP. The norm is built as without it and marked so.
 * Two upstream distributed-optimizer bugs with the torch AdamW fallback (no TE/apex), both on the
   *load* path only (training does not reach them): see ``_patch_distrib_optimizer_load``.
 """
@@ -390,6 +396,37 @@ def _patch_distrib_optimizer_load() -> None:
     DO._cpu_shim_patched = True
 
 
+def _patch_moe_split_sizes() -> None:
+    utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    original = utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    _rebind_everywhere({"maybe_move_tensor_to_cpu": (original, maybe_move_tensor_to_cpu)})
+    utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _patch_torch_norm_sequence_parallel() -> None:
+    import dataclasses
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    original = WrappedTorchNorm.__new__
+
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        norm = original(cls, dataclasses.replace(config, sequence_parallel=False), *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
 def install(fix_optimizer_load: bool = True) -> None:
     """Make megatron-core importable and runnable on CPU in this process. Idempotent.
     fix_optimizer_load=False leaves the two upstream load bugs in place (to reproduce them)."""
@@ -407,6 +444,8 @@ def install(fix_optimizer_load: bool = True) -> None:
     import megatron.core  # noqa: F401  (now importable)
 
     _patch_megatron_rng()
+    _patch_moe_split_sizes()
+    _patch_torch_norm_sequence_parallel()
     if fix_optimizer_load:
         _patch_distrib_optimizer_load()
     _MODE = CudaToCpuMode()

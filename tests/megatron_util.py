@@ -21,8 +21,9 @@ SEQ_LEN = 12
 INIT_STD = 0.02
 
 
-def init_parallel(tp: int = 1, pp: int = 1) -> None:
-    """megatron parallel state over the existing gloo group: TP, PP, DP = world / (tp * pp)."""
+def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None) -> None:
+    """megatron parallel state over the existing gloo group: TP, PP, DP = world / (tp * pp); EP
+    and expert-TP (default: TP) split the experts inside TP × DP."""
     megatron_shim.install()
     from megatron.core import parallel_state
 
@@ -30,6 +31,7 @@ def init_parallel(tp: int = 1, pp: int = 1) -> None:
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp * pp}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                              create_gloo_process_groups=True)
 
 
@@ -42,12 +44,23 @@ def destroy() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def transformer_config(hidden=32, ffn=64, layers=4, heads=4, kv_heads=2, dtype=torch.float32):
+# A tiny Qwen3-MoE: 4 experts, top-2, q/k norms, softmax routing with an auxiliary loss.
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, qk_layernorm=True,
+           moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+           moe_aux_loss_coeff=1e-3, moe_grouped_gemm=False)
+
+
+def transformer_config(hidden=32, ffn=64, layers=4, heads=4, kv_heads=2, dtype=torch.float32, **extra):
     from megatron.core.transformer import TransformerConfig
     import torch.nn.functional as F
 
     bf16 = dtype == torch.bfloat16
+    ps = _ps()
+    if extra.get("num_moe_experts") and ps.get_tensor_model_parallel_world_size() > 1:
+        extra["sequence_parallel"] = True  # megatron refuses to train MoE with TP but without it
     return TransformerConfig(
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(), **extra,
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         num_query_groups=kv_heads,
         tensor_model_parallel_size=_ps().get_tensor_model_parallel_world_size(),
@@ -68,11 +81,12 @@ def _ps():
 
 def build_gpt(seed: int, vocab: int = 96, hidden: int = 32, ffn: int = 64, layers: int = 4, heads: int = 4,
               kv_heads: int = 2, dtype: torch.dtype = torch.float32, tied: bool = False,
-              distributed_optimizer: bool = True):
+              distributed_optimizer: bool = True, moe: dict | None = None):
     """This rank's piece of a tiny GPTModel (local spec, RMSNorm, SwiGLU, RoPE, no bias), wrapped
     (Float16Module for bf16, then) megatron's DistributedDataParallel. `distributed_optimizer`
     must match build_optimizer's choice: DDP reduce-scatters grads for the distributed optimizer
-    and all-reduces them otherwise. `vocab` must be divisible by TP (no padding is added)."""
+    and all-reduces them otherwise. `vocab` must be divisible by TP (no padding is added).
+    `moe`: TransformerConfig fields making it a mixture of experts (MOE), SequentialMLP experts."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -86,9 +100,11 @@ def build_gpt(seed: int, vocab: int = 96, hidden: int = 32, ffn: int = 64, layer
     if vocab % tp or kv_heads % tp or ffn % tp:
         raise ValueError("vocab, kv_heads and ffn must be divisible by the TP size")  # see tp_slice
     model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(hidden, ffn, layers, heads, kv_heads, dtype)
+    config = transformer_config(hidden, ffn, layers, heads, kv_heads, dtype, **(moe or {}))
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     gpt = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=config, transformer_layer_spec=spec,
         vocab_size=vocab, max_sequence_length=SEQ_LEN, pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=tied,
         position_embedding_type="rope", parallel_output=True,
@@ -108,11 +124,16 @@ def unwrap(model):
 
 
 def global_name(gpt, local_name: str) -> str:
-    """`decoder.layers.<local i>.rest` -> `decoder.layers.<global i>.rest` (PP offset applied);
-    other names unchanged. The tied output weight on a PP>1 last stage maps to the embedding."""
+    """`decoder.layers.<local i>.rest` -> `decoder.layers.<global i>.rest` (PP offset applied),
+    `local_experts.<local j>` -> `local_experts.<global e>`; other names unchanged. The tied output
+    weight on a PP>1 last stage maps to the embedding."""
     parts = local_name.split(".")
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(gpt.decoder.layers[int(parts[2])].layer_number - 1)  # layer_number is global, 1-based
+    if "local_experts" in parts:
+        at = parts.index("local_experts") + 1
+        local = gpt.config.num_moe_experts // _ps().get_expert_model_parallel_world_size()
+        parts[at] = str(_ps().get_expert_model_parallel_rank() * local + int(parts[at]))
     name = ".".join(parts)
     if name == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
         name = "embedding.word_embeddings.weight"
@@ -124,7 +145,7 @@ def tp_slice(param, name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -
     if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
         return full
     dim = param.partition_dim
-    if name.endswith("mlp.linear_fc1.weight"):  # SwiGLU: global [gate; up], local [gate_r; up_r]
+    if name.endswith("linear_fc1.weight"):  # SwiGLU: global [gate; up], local [gate_r; up_r]
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
     # linear_qkv rows are grouped per query group ([q heads, k, v] x groups), so with
@@ -144,9 +165,12 @@ def init_weights(gpt, seed: int) -> None:
     """Overwrite every parameter with values drawn for the global model (see module docstring):
     matrices N(0, INIT_STD), norm weights 1 + N(0, 0.1) (not all ones, so a mixed-up norm shows)."""
     ps = _ps()
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     for local, param in gpt.named_parameters():
         name = global_name(gpt, local)
+        expert = ".experts." in name  # split over expert-TP
+        tp_rank = ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
+        tp_size = (ps.get_expert_tensor_parallel_world_size() if expert
+                   else ps.get_tensor_model_parallel_world_size())
         gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
         shape = global_shape(param, name, tp_size)
         full = torch.randn(shape, generator=gen, dtype=torch.float32)

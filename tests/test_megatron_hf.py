@@ -1,7 +1,7 @@
 """Megatron TP2 ↔ transformers' LlamaForCausalLM through one checkpoint format: a Megatron checkpoint
 loads into the HF model (single process) with the same logits, and an HF checkpoint loads into
 Megatron TP2 with the same logits. The vocabulary is padded on the Megatron side (94 real tokens,
-96 rows): padding is not stored and is zero after a load. Plus the pure name/segment mapping."""
+96 rows): padding is not stored and is zero after a load."""
 import os
 
 import torch
@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 import ckpt_plugins as cp
 from distributed import run_ranks
-from megatron_ext.llama import Dims, UnmappedParameter, hf_segments
 
 VOCAB, PADDED = 94, 96
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
@@ -76,45 +75,3 @@ def test_megatron_tp2_and_hf_llama_load_each_other_with_the_same_logits(tmp_path
     torch.testing.assert_close(ours, logits["megatron"][..., :VOCAB], rtol=0, atol=2e-5)
     torch.testing.assert_close(logits["from_hf"][..., :VOCAB], ref, rtol=0, atol=2e-5)
     assert not torch.allclose(ours, ref, atol=1e-3)  # two different models, not one default init
-
-
-DIMS = Dims(hidden=16, ffn=24, heads=8, groups=4, head_dim=2, vocab=50)
-
-
-def test_qkv_rows_split_per_query_group_into_q_k_v():
-    """Megatron's fused rows [q heads of group g, k_g, v_g] × groups, against an independent reshape."""
-    per_group = DIMS.heads // DIMS.groups
-    full = torch.arange((DIMS.heads + 2 * DIMS.groups) * DIMS.head_dim * 16).view(-1, 16)
-    grouped = full.view(DIMS.groups, per_group + 2, DIMS.head_dim, 16)
-    want = {"q": grouped[:, :per_group].reshape(-1, 16), "k": grouped[:, per_group].reshape(-1, 16),
-            "v": grouped[:, per_group + 1].reshape(-1, 16)}
-    for tp in (1, 2, 4):
-        got = {k: torch.full_like(v, -1) for k, v in want.items()}
-        for rank in range(tp):
-            local = full.chunk(tp)[rank]
-            for seg in hf_segments("decoder.layers.3.self_attention.linear_qkv.weight", local.shape, DIMS, rank, tp, 0):
-                assert seg.name.startswith("model.layers.3.self_attn.")
-                src = local[seg.local[0][0]:seg.local[0][0] + seg.local[1][0]]
-                got[seg.name.split(".")[-2][0]][seg.offsets[0]:seg.offsets[0] + src.shape[0]] = src
-        for k in want:
-            assert torch.equal(got[k], want[k]), (tp, k)
-
-
-def test_fc1_vocab_padding_and_unmapped_names():
-    gate_up = hf_segments("decoder.layers.0.mlp.linear_fc1.weight", (24, 16), DIMS, 1, 2, 0)
-    assert [(s.name, s.local, s.offsets) for s in gate_up] == [
-        ("model.layers.0.mlp.gate_proj.weight", ((0, 0), (12, 16)), (12, 0)),
-        ("model.layers.0.mlp.up_proj.weight", ((12, 0), (12, 16)), (12, 0))]
-    last = hf_segments("output_layer.weight", (26, 16), DIMS, 1, 2, 0)  # rows 26..51, vocab 50
-    assert [(s.name, s.local, s.offsets) for s in last] == [
-        ("lm_head.weight", ((0, 0), (24, 16)), (26, 0)), (None, ((24, 0), (2, 16)), (24, 0))]
-    tied = Dims(**{**DIMS.__dict__, "tied": True})
-    assert hf_segments("output_layer.weight", (52, 16), tied)[0].name == "model.embed_tokens.weight"
-    proj = hf_segments("decoder.layers.1.self_attention.linear_proj.weight", (16, 8), DIMS, 1, 2, 1)
-    assert [(s.name, s.shape, s.offsets) for s in proj] == [("model.layers.1.self_attn.o_proj.weight", (16, 16), (0, 8))]
-    try:
-        hf_segments("decoder.layers.0.self_attention.q_layernorm.weight", (2,), DIMS)
-    except UnmappedParameter as exc:
-        assert "q_layernorm" in str(exc)
-    else:
-        raise AssertionError("an unmapped parameter must be an error naming it")

@@ -1,0 +1,304 @@
+"""megatron-core parameter names and TP/EP-local layouts ↔ canonical tensors (pure functions).
+
+A local Megatron tensor is cut into `Segment`s: a sub-box of the local tensor and where it sits in
+a canonical tensor.
+- Fused tensors give several: `linear_qkv` a q/k/v triple per query group, SwiGLU `linear_fc1` a
+  gate and an up block.
+- A TP-split tensor gives one box offset by its TP rank (expert tensors: by the expert-TP rank).
+- An expert's tensors land in the canonical tensors of its global index `ep_rank * local + i`,
+  whatever the expert layout: SequentialMLP (`local_experts.<i>`), TEGroupedMLP
+  (`linear_fc1.weight<i>`), or the legacy GroupedMLP (`weight1`/`weight2`, whose expert `i` is
+  the transpose of a SequentialMLP expert's tensor: its segments carry a view and axes).
+- Padded-vocabulary rows give a segment with no name (never stored, zeroed on load).
+
+The canonical name is the family's HF safetensors name where one exists (`FAMILIES`). Any other
+parameter or buffer keeps its Megatron name, with global layer and expert indices and the
+TP-merged shape, so it still reshards between Megatron layouts; other frameworks report it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+Shape = Tuple[int, ...]
+Box = Tuple[Shape, Shape]  # (offsets, lengths)
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one HF family names what Megatron's GPT layers hold. None: no HF counterpart (such a
+    tensor keeps its Megatron name)."""
+    name: str
+    moe_block: str = "mlp"
+    experts: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    shared: Optional[str] = None          # the shared expert's module
+    shared_gate: Optional[str] = None     # the shared expert's sigmoid gate
+    expert_bias: Optional[str] = None     # the aux-loss-free router bias, under the MoE block
+
+
+FAMILIES: Dict[str, Family] = {f.name: f for f in (
+    Family("llama"), Family("qwen2"), Family("qwen3"), Family("qwen3_moe"),
+    Family("mixtral", moe_block="block_sparse_moe", experts=("w1", "w3", "w2")),
+    Family("qwen2_moe", shared="shared_expert", shared_gate="shared_expert_gate"),
+    Family("deepseek_v3", shared="shared_experts", expert_bias="gate.e_score_correction_bias"),
+)}
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The global model's sizes (TransformerConfig and the real, unpadded vocabulary)."""
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int  # query groups (= kv heads)
+    head_dim: int
+    vocab: int
+    tied: bool = False
+    gated: bool = True
+    family: str = "llama"
+    experts: int = 0      # routed experts (0: a dense model)
+    moe_ffn: int = 0      # a routed expert's intermediate size
+    shared_ffn: int = 0   # the shared experts' intermediate size
+    mla: bool = False     # multi-latent attention (its projections are plain TP splits)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where a local tensor sits: TP for dense tensors; EP and expert-TP for expert tensors."""
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Local sub-box `local` of a local tensor is the box at `offsets` of canonical `name`
+    (global `shape`). `name` None: padding, stored nowhere. `view`: the local tensor seen as this
+    shape (the box is in it); `axes`: canonical dimension k is the view's dimension axes[k], the
+    view's other dimensions have length 1 in the box (None: the same dimensions)."""
+    name: Optional[str]
+    shape: Shape
+    local: Box
+    offsets: Shape
+    view: Optional[Shape] = None
+    axes: Optional[Tuple[int, ...]] = None
+
+
+def megatron_family(*, moe: bool, mla: bool, qk_norm: bool, qkv_bias: bool, shared_experts: bool,
+                    shared_gate: bool) -> str:
+    """The HF family a GPT TransformerConfig's features describe (dense families name their
+    tensors alike; MoE ones differ). A plain MoE model without q/k norms is taken for Mixtral:
+    pass the family explicitly for another."""
+    if mla:
+        return "deepseek_v3"
+    if moe:
+        if shared_gate or (shared_experts and qkv_bias):
+            return "qwen2_moe"
+        if shared_experts:
+            return "deepseek_v3"
+        return "qwen3_moe" if qk_norm else "mixtral"
+    return "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
+
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)"
+                     r"|(linear_fc[12])\.(weight|bias)(\d+))")
+_GROUPED = re.compile(r"mlp\.experts\.weight([12])")
+_ATTENTION = {  # local spec names and the TE spec's fused-norm names
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+}
+_QK_NORM = {"self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+            "self_attention.k_layernorm.weight": "self_attn.k_norm.weight"}
+_MLA = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+}
+_MLP_NORM = ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+_TOP_NAMES = {"decoder.final_layernorm.weight": "model.norm.weight",
+              "embedding.word_embeddings.weight": "model.embed_tokens.weight"}
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _rows(local_shape: Shape, n: int) -> Shape:
+    return (n,) + tuple(local_shape[1:])
+
+
+def _at(local_shape: Shape, start: int) -> Shape:
+    return (start,) + (0,) * (len(local_shape) - 1)
+
+
+def canonical_segments(name: str, local_shape: Shape, dims: Dims, ranks: Ranks = Ranks(),
+                       partition_dim: Optional[int] = None) -> List[Segment]:
+    """The segments of Megatron parameter or buffer `name` (global layer numbers, local expert
+    numbers) as held at `ranks`: `partition_dim` is the dimension TP (expert-TP for expert
+    tensors) splits, None when replicated."""
+    local_shape = tuple(int(s) for s in local_shape)
+    layer = _LAYER.fullmatch(name)
+    if layer:
+        found = _layer_segments(layer.group(1), layer.group(2), local_shape, dims, ranks, partition_dim)
+        if found is not None:
+            return found
+    elif name in _VOCAB:
+        target = "model.embed_tokens.weight" if name == _VOCAB[0] or dims.tied else "lm_head.weight"
+        return _vocab(target, local_shape, dims, ranks.tp_rank, ranks.tp_size)
+    elif name in _TOP_NAMES:
+        return [_split(_TOP_NAMES[name], local_shape, ranks.tp_rank, ranks.tp_size, partition_dim)]
+    return [_split(name, local_shape, ranks.tp_rank, ranks.tp_size, partition_dim)]
+
+
+def _layer_segments(index: str, rest: str, local_shape: Shape, dims: Dims, ranks: Ranks,
+                    dim: Optional[int]) -> Optional[List[Segment]]:
+    family = FAMILIES.get(dims.family)
+    if family is None:
+        raise ValueError(f"unknown model family {dims.family!r}; known: {', '.join(sorted(FAMILIES))}")
+    prefix, block = f"model.layers.{index}.", f"model.layers.{index}.{family.moe_block}."
+    tp = (ranks.tp_rank, ranks.tp_size, dim)
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        return _qkv(prefix, rest.rsplit(".", 1)[1], local_shape, dims, ranks.tp_rank, ranks.tp_size)
+    target = (_MLA if dims.mla else _QK_NORM).get(rest) or _ATTENTION.get(rest)
+    if target is None and rest in _MLP_NORM:
+        target = "post_attention_layernorm.weight"
+    if target is not None:
+        return [_split(prefix + target, local_shape, *tp)]
+    if not dims.experts or rest.startswith("mlp.linear_fc"):  # a dense MLP (layer)
+        if rest == "mlp.linear_fc1.weight" and dims.gated:
+            return _fc1((prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"), local_shape, dims.ffn,
+                        ranks.tp_rank, ranks.tp_size)
+        if rest == "mlp.linear_fc2.weight":
+            return [_split(prefix + "mlp.down_proj.weight", local_shape, *tp)]
+        return None
+    if rest == "mlp.router.weight":
+        return [_split(block + "gate.weight", local_shape, *tp)]
+    if rest == "mlp.router.expert_bias" and family.expert_bias:
+        return [_split(block + family.expert_bias, local_shape, *tp)]
+    if rest.startswith("mlp.shared_experts.") and family.shared:
+        shared = f"{block}{family.shared}."
+        if rest == "mlp.shared_experts.linear_fc1.weight" and dims.gated:
+            return _fc1((shared + "gate_proj.weight", shared + "up_proj.weight"), local_shape, dims.shared_ffn,
+                        ranks.tp_rank, ranks.tp_size)
+        if rest == "mlp.shared_experts.linear_fc2.weight":
+            return [_split(shared + "down_proj.weight", local_shape, *tp)]
+        if rest == "mlp.shared_experts.gate_weight" and family.shared_gate:
+            return [_split(f"{block}{family.shared_gate}.weight", local_shape, *tp)]
+        return None
+    grouped = _GROUPED.fullmatch(rest)
+    if grouped:
+        return _grouped(index, int(grouped.group(1)), local_shape, dims, ranks, family)
+    expert = _EXPERT.fullmatch(rest)
+    if expert:
+        local, fc, kind = ((int(expert.group(1)), expert.group(2), expert.group(3)) if expert.group(1) is not None
+                           else (int(expert.group(6)), expert.group(4), expert.group(5)))
+        return _expert(index, local, fc, kind, local_shape, dims, ranks, family, dim)
+    return None
+
+
+def _global_expert(local: int, dims: Dims, ranks: Ranks) -> int:
+    if dims.experts % ranks.ep_size:
+        raise ValueError(f"{dims.experts} experts do not split over EP {ranks.ep_size}")
+    return ranks.ep_rank * (dims.experts // ranks.ep_size) + local
+
+
+def _expert(index: str, local: int, fc: str, kind: str, local_shape: Shape, dims: Dims, ranks: Ranks,
+            family: Family, dim: Optional[int]) -> List[Segment]:
+    """Local expert `local`'s fc1/fc2 tensor in layer `index` (SequentialMLP orientation: out × in),
+    split over expert-TP."""
+    e = _global_expert(local, dims, ranks)
+    gate, up, down = (f"model.layers.{index}.{family.moe_block}.experts.{e}.{p}.weight" for p in family.experts)
+    if kind == "weight" and fc == "linear_fc1" and dims.gated:
+        return _fc1((gate, up), local_shape, dims.moe_ffn, ranks.etp_rank, ranks.etp_size)
+    if kind == "weight" and fc == "linear_fc2":
+        return [_split(down, local_shape, ranks.etp_rank, ranks.etp_size, 1 if dim is None else dim)]
+    return [_split(f"decoder.layers.{index}.mlp.experts.local_experts.{e}.{fc}.{kind}", local_shape,
+                   ranks.etp_rank, ranks.etp_size, dim)]
+
+
+def _grouped(index: str, which: int, local_shape: Shape, dims: Dims, ranks: Ranks,
+             family: Family) -> List[Segment]:
+    """GroupedMLP: `weight1` [H, local · C] is used as a [local, H, C] view whose expert i is its
+    fc1 transposed (C = fc1's rows on this expert-TP rank); `weight2` [local · R, H] as [local, R, H]
+    whose expert i is its fc2 transposed. Each SequentialMLP-orientation segment of expert i
+    becomes a box of that view with its two dimensions swapped."""
+    local_experts = dims.experts // ranks.ep_size
+    if local_shape[0 if which == 1 else 1] != dims.hidden:
+        raise ValueError(f"GroupedMLP weight{which} of shape {local_shape} does not hold hidden size {dims.hidden}")
+    inner = (local_shape[1] if which == 1 else local_shape[0]) // local_experts
+    view = (local_experts, dims.hidden, inner) if which == 1 else (local_experts, inner, dims.hidden)
+    sequential = (inner, dims.hidden) if which == 1 else (dims.hidden, inner)
+    out = []
+    for i in range(local_experts):
+        for seg in _expert(index, i, f"linear_fc{which}", "weight", sequential, dims, ranks, family, which - 1):
+            (r0, c0), (rl, cl) = seg.local
+            out.append(Segment(seg.name, seg.shape, ((i, c0, r0), (1, cl, rl)), seg.offsets, view, (2, 1)))
+    return out
+
+
+def _split(target: str, local_shape: Shape, tp_rank: int, tp_size: int, dim: Optional[int]) -> Segment:
+    offsets = [0] * len(local_shape)
+    shape = list(local_shape)
+    if dim is not None and tp_size > 1:
+        offsets[dim] = tp_rank * local_shape[dim]
+        shape[dim] *= tp_size
+    return Segment(target, tuple(shape), ((0,) * len(local_shape), local_shape), tuple(offsets))
+
+
+def _qkv(prefix: str, kind: str, local_shape: Shape, dims: Dims, tp_rank: int, tp_size: int) -> List[Segment]:
+    """Rows are grouped per query group: [q heads of the group, k, v] × the rank's groups."""
+    hd, per_group = dims.head_dim, dims.heads // dims.groups
+    if dims.groups % tp_size:
+        raise ValueError(f"{dims.groups} query groups do not split over TP {tp_size}")
+    local_groups = dims.groups // tp_size
+    rows = (per_group + 2) * hd
+    if local_shape[0] != local_groups * rows:
+        raise ValueError(f"linear_qkv has {local_shape[0]} rows on a TP rank; expected {local_groups} query "
+                         f"groups of {rows} ({per_group} query heads + k + v, head dim {hd})")
+    tail = tuple(local_shape[1:])
+    out = []
+    for j in range(local_groups):
+        g = tp_rank * local_groups + j
+        base = j * rows
+        for proj, first, n, at, total in (("q", base, per_group * hd, g * per_group * hd, dims.heads * hd),
+                                          ("k", base + per_group * hd, hd, g * hd, dims.groups * hd),
+                                          ("v", base + (per_group + 1) * hd, hd, g * hd, dims.groups * hd)):
+            out.append(Segment(f"{prefix}self_attn.{proj}_proj.{kind}", (total,) + tail,
+                               (_at(local_shape, first), _rows(local_shape, n)), _at(local_shape, at)))
+    return out
+
+
+def _fc1(names: Tuple[str, str], local_shape: Shape, ffn: int, rank: int, size: int) -> List[Segment]:
+    """SwiGLU: each (expert-)TP rank holds its gate rows, then its up rows."""
+    n = local_shape[0] // 2
+    if 2 * n * size != 2 * ffn:
+        raise ValueError(f"linear_fc1 has {local_shape[0]} rows on a TP rank; expected 2 * {ffn} / {size}")
+    shape = (ffn,) + tuple(local_shape[1:])
+    return [Segment(name, shape, (_at(local_shape, first), _rows(local_shape, n)), _at(local_shape, rank * n))
+            for name, first in zip(names, (0, n))]
+
+
+def _vocab(target: str, local_shape: Shape, dims: Dims, tp_rank: int, tp_size: int) -> List[Segment]:
+    """Vocabulary rows split over TP; rows past the real vocabulary are padding."""
+    per_rank = local_shape[0]
+    if per_rank * tp_size < dims.vocab:
+        raise ValueError(f"{per_rank} vocabulary rows per TP rank × {tp_size} < the vocabulary ({dims.vocab})")
+    first = tp_rank * per_rank
+    real = max(0, min(per_rank, dims.vocab - first))
+    out = []
+    if real:
+        out.append(Segment(target, (dims.vocab,) + tuple(local_shape[1:]),
+                           (_at(local_shape, 0), _rows(local_shape, real)), _at(local_shape, first)))
+    if real < per_rank:
+        out.append(Segment(None, local_shape, (_at(local_shape, real), _rows(local_shape, per_rank - real)),
+                           _at(local_shape, real)))
+    return out

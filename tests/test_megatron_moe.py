@@ -1,0 +1,182 @@
+"""megatron-core mixture of experts (real megatron-core on CPU, gloo): a tiny Qwen3-MoE-shaped
+GPTModel (4 experts, top-2, q/k norms, SequentialMLP, alltoall dispatcher) saved at EP2×PP2 with
+the distributed optimizer in bf16, loaded at EP1×TP2 (experts split over expert-TP), EP4 and on one
+process. Weights, fp32 masters and Adam moments equal the saved ones bit for bit, the experts are
+stored under their global index as the HF files name them (checked against Megatron's own
+sharded_state_dict), and training continues with the uninterrupted run's losses."""
+import json
+import os
+
+import pytest
+import torch
+
+import ckpt_plugins as cp
+from checkpoint_compare import assert_matches
+from ckpt_plugins.committed import read_object
+from ckpt_plugins.offline import open_checkpoint
+from distributed import run_ranks
+
+STEPS = 2
+
+
+def moe_state(model, optimizer):
+    from megatron_ext import MegatronModel, MegatronOptimizer
+    return {"model": MegatronModel(model), "optim": MegatronOptimizer(optimizer, model)}
+
+
+def assert_experts_as_megatron_places_them(model):
+    """Megatron's own sharded_state_dict gives each local expert tensor its global expert index
+    (an offset on the expert axis): our fragment of the same tensor names that expert."""
+    import megatron_util as mu
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron_ext.gpt import GPTLayout
+
+    ours = {p.data_ptr(): segs[0].name for p, _, segs in GPTLayout(model).params}
+    sharded = mu.unwrap(model).sharded_state_dict()
+    checked = 0
+    for key, sh in sharded.items():
+        if isinstance(sh, ShardedTensor) and ".local_experts." in key and key.endswith("linear_fc2.weight"):
+            layer, e = sh.global_offset[:2]  # (layer, expert) axes prepended to the tensor's own
+            assert ours[sh.data.data_ptr()] == f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight", key
+            checked += 1
+    assert checked == 4  # 2 layers on this stage × 2 local experts
+
+
+def save_worker(rank, world, root):
+    import megatron_util as mu
+    mu.init_parallel(tp=1, pp=2, ep=2)
+    model = mu.build_gpt(0, dtype=torch.bfloat16, moe=mu.MOE)
+    opt = mu.build_optimizer(model)
+    for step in range(STEPS):
+        mu.train_step(model, opt, step)
+    assert_experts_as_megatron_places_them(model)
+    from megatron_ext import hf_config_json
+    path = os.path.join(root, "ep2pp2")
+    cp.save(path, {**moe_state(model, opt), "hf_config": hf_config_json(model)}, framework="megatron")
+    assert_matches(path, moe_state(model, opt))
+    losses = [mu.train_step(model, opt, STEPS + i) for i in range(2)]
+    if rank == 0:
+        with open(path + ".json", "w") as f:
+            json.dump(losses, f)
+    mu.destroy()
+
+
+def load_worker(rank, world, root, tp, pp, ep, distributed):
+    import megatron_util as mu
+    mu.init_parallel(tp=tp, pp=pp, ep=ep)
+    model = mu.build_gpt(7, dtype=torch.bfloat16, distributed_optimizer=distributed, moe=mu.MOE)
+    opt = mu.build_optimizer(model)
+    path = os.path.join(root, "ep2pp2")
+    cp.load(path, {**moe_state(model, opt), "hf_config": cp.Ignore()})
+    assert_matches(path, moe_state(model, opt))
+    losses = [mu.train_step(model, opt, STEPS + i) for i in range(2)]
+    with open(path + ".json") as f:
+        ref = json.load(f)
+    for got, want in zip(losses, ref):  # bf16: a layout change changes bf16 roundings (as for dense)
+        assert abs(got - want) <= 2e-3 * abs(want), (tp, pp, ep, losses, ref)
+    mu.destroy()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("megatron_moe"))
+    run_ranks(4, save_worker, root)
+    return root
+
+
+def test_moe_checkpoint_names_every_expert_by_its_global_index(saved):
+    meta = cp.read_metadata(os.path.join(saved, "ep2pp2"))
+    for layer in range(4):
+        base = f"model/model.layers.{layer}."
+        assert meta.tensors[base + "mlp.gate.weight"].shape == (4, 32)
+        assert meta.tensors[base + "self_attn.q_norm.weight"].shape == (8,)
+        for e in range(4):
+            assert meta.tensors[f"{base}mlp.experts.{e}.gate_proj.weight"].shape == (24, 32)
+            assert meta.tensors[f"{base}mlp.experts.{e}.up_proj.weight"].shape == (24, 32)
+            assert meta.tensors[f"{base}mlp.experts.{e}.down_proj.weight"].shape == (32, 24)
+            assert f"optim/model.layers.{layer}.mlp.experts.{e}.down_proj.weight/exp_avg" in meta.tensors
+    storage, metadata = open_checkpoint(os.path.join(saved, "ep2pp2"))
+    config = json.loads(read_object(storage, metadata, "hf_config", None))
+    assert config["model_type"] == "qwen3_moe" and config["num_experts"] == 4 and config["num_experts_per_tok"] == 2
+
+
+def test_moe_reloads_at_ep1_tp2(saved):
+    run_ranks(2, load_worker, saved, 2, 1, 1, True)
+
+
+def test_moe_reloads_at_ep4(saved):
+    run_ranks(4, load_worker, saved, 1, 1, 4, True)
+
+
+def test_moe_reloads_on_one_process(saved):
+    run_ranks(1, load_worker, saved, 1, 1, 1, False)
+
+
+IDS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+def megatron_logits(model):
+    """Full-vocabulary logits (gathered over TP) of the same ids on every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    b, s = IDS.shape
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    model.eval()
+    with torch.no_grad():
+        local = model(IDS, torch.arange(s).unsqueeze(0).expand(b, s), mask)
+    parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
+
+
+def export_worker(rank, world, root):
+    """An fp32 Qwen3-MoE at EP2: its logits and a checkpoint carrying its config.json."""
+    import megatron_util as mu
+    from megatron_ext import MegatronModel, hf_config_json
+    mu.init_parallel(ep=2)
+    model = mu.build_gpt(3, distributed_optimizer=False, moe=mu.MOE)
+    cp.save(os.path.join(root, "megatron"), {"model": MegatronModel(model), "hf_config": hf_config_json(model)})
+    logits = megatron_logits(model)
+    if rank == 0:
+        torch.save(logits, os.path.join(root, "megatron_logits.pt"))
+    mu.destroy()
+
+
+def import_worker(rank, world, root, tp, ep):
+    import megatron_util as mu
+    from megatron_ext import MegatronModel
+    mu.init_parallel(tp=tp, ep=ep)
+    model = mu.build_gpt(9, distributed_optimizer=False, moe=mu.MOE)
+    cp.load(os.path.join(root, "imported"), {"model": MegatronModel(model), "hf_config": cp.Ignore()})
+    logits = megatron_logits(model)
+    if rank == 0:
+        torch.save(logits, os.path.join(root, f"imported_tp{tp}_ep{ep}.pt"))
+    mu.destroy()
+
+
+def test_moe_export_from_pretrained_save_pretrained_import_keeps_the_logits(tmp_path):
+    """Megatron EP2 → `bcp export` (per-expert names and config.json, nothing copied by hand) →
+    transformers' Qwen3MoeForCausalLM.from_pretrained: the Megatron model's logits. Its
+    save_pretrained → `bcp import-hf` → Megatron at TP2 (expert-TP 2) and at EP4: the same logits."""
+    import subprocess
+    import sys
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    bcp = os.path.join(os.path.dirname(sys.executable), "bcp")
+    root = str(tmp_path)
+    run_ranks(2, export_worker, root)
+    subprocess.run([bcp, "export", os.path.join(root, "megatron"), os.path.join(root, "hf")], check=True)
+    with safe_open(os.path.join(root, "hf", "model.safetensors"), "pt") as f:
+        assert "model.layers.3.mlp.experts.3.down_proj.weight" in set(f.keys())
+    hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf")).eval()
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        ref = hf(IDS).logits
+    want = torch.load(os.path.join(root, "megatron_logits.pt"))
+    torch.testing.assert_close(ref, want, rtol=0, atol=2e-5)
+    hf.save_pretrained(os.path.join(root, "resaved"))
+    subprocess.run([bcp, "import-hf", os.path.join(root, "resaved"), os.path.join(root, "imported")], check=True)
+    run_ranks(2, import_worker, root, 2, 1)
+    run_ranks(4, import_worker, root, 1, 4)
+    for name in ("imported_tp2_ep1.pt", "imported_tp1_ep4.pt"):
+        torch.testing.assert_close(torch.load(os.path.join(root, name)), ref, rtol=0, atol=2e-5)
