@@ -50,15 +50,55 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, qk_laye
            moe_aux_loss_coeff=1e-3, moe_grouped_gemm=False)
 
 
+# A tiny DeepSeek-V3: multi-latent attention, one dense layer then MoE layers with a shared expert,
+# sigmoid routing steered by the aux-loss-free expert bias.
+DSV3 = dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+            v_head_dim=8, rope_type="rope", qk_layernorm=True, layernorm_epsilon=1e-6, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+            moe_shared_expert_intermediate_size=24, moe_layer_freq=[0, 1, 1, 1], moe_router_enable_expert_bias=True,
+            moe_router_score_function="sigmoid", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            moe_router_bias_update_rate=1e-2, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Causal attention for multi-latent attention on CPU. Megatron's local DotProductAttention
+    takes no separate key/value head sizes, which MLA passes (its GPU path is TE's); this stands in
+    for it in tests: [s, b, heads, d] in, [s, b, heads · d_v] out, no parameters."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type=None, softmax_scale=None,
+                 k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None, **kwargs):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
+def layer_spec(config):
+    """megatron's local (no TE) layer spec for the config: MLA layers get SDPACoreAttention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    if not config.multi_latent_attention:
+        return get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                        qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    torch._dynamo.config.disable = True  # megatron's MLA / sigmoid-router fusers compile, with no compiler here
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    for layer in spec.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
 def transformer_config(hidden=32, ffn=64, layers=4, heads=4, kv_heads=2, dtype=torch.float32, **extra):
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
     import torch.nn.functional as F
 
     bf16 = dtype == torch.bfloat16
     ps = _ps()
     if extra.get("num_moe_experts") and ps.get_tensor_model_parallel_world_size() > 1:
         extra["sequence_parallel"] = True  # megatron refuses to train MoE with TP but without it
-    return TransformerConfig(
+    cls = MLATransformerConfig if extra.get("multi_latent_attention") else TransformerConfig
+    return cls(
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(), **extra,
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
@@ -86,10 +126,9 @@ def build_gpt(seed: int, vocab: int = 96, hidden: int = 32, ffn: int = 64, layer
     (Float16Module for bf16, then) megatron's DistributedDataParallel. `distributed_optimizer`
     must match build_optimizer's choice: DDP reduce-scatters grads for the distributed optimizer
     and all-reduces them otherwise. `vocab` must be divisible by TP (no padding is added).
-    `moe`: TransformerConfig fields making it a mixture of experts (MOE), SequentialMLP experts."""
+    `moe`: TransformerConfig fields making it a mixture of experts (MOE, DSV3), SequentialMLP experts."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
@@ -101,10 +140,8 @@ def build_gpt(seed: int, vocab: int = 96, hidden: int = 32, ffn: int = 64, layer
         raise ValueError("vocab, kv_heads and ffn must be divisible by the TP size")  # see tp_slice
     model_parallel_cuda_manual_seed(seed)
     config = transformer_config(hidden, ffn, layers, heads, kv_heads, dtype, **(moe or {}))
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     gpt = GPTModel(
-        config=config, transformer_layer_spec=spec,
+        config=config, transformer_layer_spec=layer_spec(config),
         vocab_size=vocab, max_sequence_length=SEQ_LEN, pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=tied,
         position_embedding_type="rope", parallel_output=True,

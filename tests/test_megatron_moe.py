@@ -180,3 +180,67 @@ def test_moe_export_from_pretrained_save_pretrained_import_keeps_the_logits(tmp_
     run_ranks(4, import_worker, root, 1, 4)
     for name in ("imported_tp2_ep1.pt", "imported_tp1_ep4.pt"):
         torch.testing.assert_close(torch.load(os.path.join(root, name)), ref, rtol=0, atol=2e-5)
+
+
+def dsv3_save_worker(rank, world, root):
+    """A DeepSeek-V3-shaped model at EP2, fp32, distributed optimizer: trained (the expert bias
+    moves), saved with its config.json, then its logits and next two losses recorded."""
+    import megatron_util as mu
+    from megatron_ext import hf_config_json
+    mu.init_parallel(ep=2)
+    model = mu.build_gpt(0, moe=mu.DSV3)
+    opt = mu.build_optimizer(model)
+    for step in range(STEPS):
+        mu.train_step(model, opt, step)
+    bias = mu.unwrap(model).decoder.layers[1].mlp.router.expert_bias
+    assert torch.count_nonzero(bias) > 0  # training state a load must bring back
+    path = os.path.join(root, "dsv3")
+    cp.save(path, {**moe_state(model, opt), "hf_config": hf_config_json(model)})
+    logits = megatron_logits(model)
+    model.train()
+    losses = [mu.train_step(model, opt, STEPS + i) for i in range(2)]
+    if rank == 0:
+        torch.save({"logits": logits, "losses": losses}, path + ".pt")
+    mu.destroy()
+
+
+def dsv3_load_worker(rank, world, root, tp, ep, distributed):
+    import megatron_util as mu
+    mu.init_parallel(tp=tp, ep=ep)
+    model = mu.build_gpt(7, moe=mu.DSV3, distributed_optimizer=distributed)
+    opt = mu.build_optimizer(model)
+    path = os.path.join(root, "dsv3")
+    cp.load(path, {**moe_state(model, opt), "hf_config": cp.Ignore()})
+    assert_matches(path, moe_state(model, opt))  # the expert bias included
+    ref = torch.load(path + ".pt")
+    torch.testing.assert_close(megatron_logits(model), ref["logits"], rtol=0, atol=2e-5)
+    model.train()
+    losses = [mu.train_step(model, opt, STEPS + i) for i in range(2)]
+    for got, want in zip(losses, ref["losses"]):
+        assert abs(got - want) <= 2e-6 * abs(want), (tp, ep, losses, ref["losses"])
+    mu.destroy()
+
+
+def test_deepseek_v3_shaped_model_with_mla_reshards_and_exports(tmp_path):
+    """MLA, a dense first layer, shared experts and the expert bias: saved at EP2, loaded at TP2
+    (heads and shared experts split, experts over expert-TP) and on one process with the same
+    logits and losses; exported, transformers' DeepseekV3ForCausalLM gives the same logits."""
+    import subprocess
+    import sys
+    from transformers import AutoModelForCausalLM
+    root = str(tmp_path)
+    run_ranks(2, dsv3_save_worker, root)
+    meta = cp.read_metadata(os.path.join(root, "dsv3"))
+    for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
+                 "model.layers.1.mlp.shared_experts.up_proj.weight", "model.layers.3.mlp.experts.3.down_proj.weight",
+                 "model.layers.2.self_attn.kv_a_proj_with_mqa.weight", "model.layers.2.self_attn.q_a_layernorm.weight"):
+        assert f"model/{name}" in meta.tensors, name
+    run_ranks(2, dsv3_load_worker, root, 2, 1, True)
+    run_ranks(1, dsv3_load_worker, root, 1, 1, False)
+    bcp = os.path.join(os.path.dirname(sys.executable), "bcp")
+    subprocess.run([bcp, "export", os.path.join(root, "dsv3"), os.path.join(root, "hf")], check=True)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf")).eval()
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    with torch.no_grad():
+        got = hf(IDS).logits
+    torch.testing.assert_close(got, torch.load(os.path.join(root, "dsv3.pt"))["logits"], rtol=0, atol=2e-5)

@@ -68,7 +68,7 @@ def hf_config(m: ModelConfig) -> Dict[str, Any]:
                    n_group=1, topk_group=1, routed_scaling_factor=m.routed_scaling, norm_topk_prob=m.norm_topk,
                    q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_dim,
                    qk_rope_head_dim=m.qk_rope_dim, v_head_dim=m.v_head_dim, head_dim=m.qk_rope_dim,
-                   rope_interleave=False, num_key_value_heads=d.heads)
+                   rope_interleave=True, num_key_value_heads=d.heads)
     return out
 
 
