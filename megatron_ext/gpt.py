@@ -25,7 +25,8 @@ from ckpt_plugins.state import (MASTER, MODEL, Handler, Ignore, LoadItems, Optim
                                 SaveItems, add_master_sources)
 
 from ckpt_plugins.families.hf_config import ModelConfig, hf_config
-from ckpt_plugins.families.megatron import Dims, Ranks, Segment, canonical_segments, megatron_family
+from ckpt_plugins.families.megatron import (Dims, Ranks, Segment, canonical_segments, hybrid_layers,
+                                            megatron_family)
 
 
 def _pieces(segments: Sequence[Segment], local_shape, tensor: torch.Tensor,
@@ -73,19 +74,28 @@ def _chunks(model) -> list:
 
 
 def model_dims(gpt, vocab_size: Optional[int] = None, family: Optional[str] = None) -> Dims:
-    """The canonical mapping's view of a GPTModel's TransformerConfig."""
+    """The canonical mapping's view of a GPTModel's or HybridModel's TransformerConfig. A hybrid
+    whose layers are not attention + MLP/MoE pairs has no HF family: its layers keep Megatron names."""
     cfg = gpt.config
     experts = int(cfg.num_moe_experts or 0)
     shared = int(getattr(cfg, "moe_shared_expert_intermediate_size", None) or 0)
     mla = bool(getattr(cfg, "multi_latent_attention", False))
+    pattern = getattr(gpt, "hybrid_layer_pattern", None)
+    if pattern is not None and hybrid_layers(pattern) is None:
+        family = "megatron"
     family = family or megatron_family(
         moe=bool(experts), mla=mla, qk_norm=bool(cfg.qk_layernorm), shared_experts=bool(shared),
         qkv_bias=bool(cfg.add_qkv_bias or cfg.add_bias_linear), shared_gate=bool(cfg.moe_shared_expert_gate))
+    mamba = {}
+    if pattern is not None and "M" in pattern:
+        heads = cfg.mamba_num_heads or 2 * cfg.hidden_size // cfg.mamba_head_dim  # MambaMixer's expand=2
+        mamba = dict(mamba_heads=heads, mamba_head_dim=cfg.mamba_head_dim, mamba_groups=cfg.mamba_num_groups,
+                     mamba_state=cfg.mamba_state_dim)
     return Dims(hidden=cfg.hidden_size, ffn=cfg.ffn_hidden_size, heads=cfg.num_attention_heads,
                 groups=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.kv_channels,
                 vocab=vocab_size or gpt.vocab_size, tied=gpt.share_embeddings_and_output_weights,
                 gated=cfg.gated_linear_unit, family=family, experts=experts,
-                moe_ffn=int(cfg.moe_ffn_hidden_size or 0) if experts else 0, shared_ffn=shared, mla=mla)
+                moe_ffn=int(cfg.moe_ffn_hidden_size or 0) if experts else 0, shared_ffn=shared, mla=mla, **mamba)
 
 
 def parallel_ranks() -> Ranks:
@@ -146,10 +156,13 @@ class GPTLayout:
 
 
 def _global_name(gpt, local: str) -> str:
-    """`decoder.layers.<i>.…` with the global layer index (layer_number is global and 1-based)."""
+    """`decoder.layers.<i>.…` with the global layer index (layer_number is global and 1-based);
+    a HybridModel's attention + MLP pairs are numbered as the GPT layers they form."""
     parts = local.split(".")
     if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(gpt.decoder.layers[int(parts[2])].layer_number - 1)
+        index = gpt.decoder.layers[int(parts[2])].layer_number - 1
+        pairs = hybrid_layers(gpt.hybrid_layer_pattern) if hasattr(gpt, "hybrid_layer_pattern") else None
+        parts[2] = str(pairs[index] if pairs else index)
     return ".".join(parts)
 
 
@@ -278,23 +291,31 @@ class MegatronOptimizer(Handler):
         return items
 
 
-def hf_config_json(model, vocab_size: Optional[int] = None, family: Optional[str] = None) -> str:
+def hf_config_json(model, vocab_size: Optional[int] = None, family: Optional[str] = None) -> Optional[str]:
     """The config.json `transformers` would write for this Megatron model (first chunk's config;
-    every chunk shares it): save it as the `hf_config` object and `bcp export` writes it out."""
+    every chunk shares it): save it as the `hf_config` object and `bcp export` writes it out.
+    None for a model with no HF family (a hybrid with Mamba layers)."""
     from megatron.core.utils import unwrap_model
 
     gpt = unwrap_model(_chunks(model)[0])
     cfg, dims = gpt.config, model_dims(gpt, vocab_size, family)
-    freq = cfg.moe_layer_freq
-    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(cfg.num_layers)]
-    first_dense = next((i for i, moe in enumerate(pattern) if moe), len(pattern)) if dims.experts else 0
+    if dims.family == "megatron":
+        return None
+    pattern = getattr(gpt, "hybrid_layer_pattern", None)
+    if pattern is not None:  # attention + MLP/MoE pairs
+        main = pattern.split("/")[0].replace("|", "")
+        moe_layers = [kind == "E" for kind in main[1::2]]
+    else:
+        freq = cfg.moe_layer_freq
+        moe_layers = [bool(x) for x in freq] if isinstance(freq, list) else [i % freq == 0 for i in range(cfg.num_layers)]
     mla = {}
     if dims.mla:
         mla = dict(q_lora_rank=cfg.q_lora_rank or 0, kv_lora_rank=cfg.kv_lora_rank, qk_nope_dim=cfg.qk_head_dim,
                    qk_rope_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim)
-    m = ModelConfig(dims=dims, layers=cfg.num_layers, norm_eps=cfg.layernorm_epsilon,
+    m = ModelConfig(dims=dims, layers=len(moe_layers), norm_eps=cfg.layernorm_epsilon,
                     rope_theta=float(getattr(gpt, "rotary_base", 10000)), max_positions=gpt.max_sequence_length,
                     dtype=str(cfg.params_dtype).replace("torch.", ""), topk=cfg.moe_router_topk or 0,
-                    first_dense=first_dense, norm_topk=not cfg.moe_router_pre_softmax,
+                    dense_layers=tuple(i for i, moe in enumerate(moe_layers) if not moe) if dims.experts else (),
+                    norm_topk=not cfg.moe_router_pre_softmax,
                     routed_scaling=float(cfg.moe_router_topk_scaling_factor or 1.0), **mla)
     return json.dumps(hf_config(m), indent=2)

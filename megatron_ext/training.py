@@ -110,8 +110,10 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
     args = get_args()
     vocab, family = _real_vocab(args), getattr(args, "ckpt_hf_family", None)
     state: Dict[str, Any] = {"model": MegatronModel(model, vocab, family),
-                             "megatron": RunState(iteration, num_floating_point_operations_so_far, args),
-                             HF_CONFIG: hf_config_json(model, vocab, family)}
+                             "megatron": RunState(iteration, num_floating_point_operations_so_far, args)}
+    config = hf_config_json(model, vocab, family)
+    if config is not None:  # the model has an HF family: exports write it as config.json
+        state[HF_CONFIG] = config
     if optimizer is not None and not args.no_save_optim:
         state["optim"] = MegatronOptimizer(optimizer, model, vocab, family=family)
         if opt_param_scheduler is not None:

@@ -30,6 +30,8 @@ idempotent. What it changes, and why (see /work/shared/FACTS.md, "Megatron-core 
 * torch's norms refuse sequence parallelism (`WrappedTorchNorm`), which megatron requires for MoE
   with TP; Apex and TE norms, absent here, support it by marking their weights `sequence_parallel`
   so that their gradients are summed over TP. The norm is built as without it and marked so.
+* `HybridStack` builds its final norm as TE's `TENorm` whatever the spec says; without TE it is the
+  local spec's norm (`WrappedTorchNorm`), as every other norm in these tests.
 * Two upstream distributed-optimizer bugs with the torch AdamW fallback (no TE/apex), both on the
   *load* path only (training does not reach them): see ``_patch_distrib_optimizer_load``.
 """
@@ -425,6 +427,7 @@ def _patch_torch_norm_sequence_parallel() -> None:
         return norm
 
     WrappedTorchNorm.__new__ = staticmethod(__new__)
+    importlib.import_module("megatron.core.models.hybrid.hybrid_block").TENorm = WrappedTorchNorm
 
 
 def install(fix_optimizer_load: bool = True) -> None:

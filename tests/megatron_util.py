@@ -77,16 +77,42 @@ class SDPACoreAttention(torch.nn.Module):
 
 
 def layer_spec(config):
-    """megatron's local (no TE) layer spec for the config: MLA layers get SDPACoreAttention."""
+    """megatron's local (no TE) layer spec for the config (per layer when dense and MoE layers
+    mix): MLA layers get SDPACoreAttention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-    if not config.multi_latent_attention:
+    if not config.multi_latent_attention and not isinstance(config.moe_layer_freq, list):
         return get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                         qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     torch._dynamo.config.disable = True  # megatron's MLA / sigmoid-router fusers compile, with no compiler here
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    for layer in spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if config.multi_latent_attention:
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
+
+
+def hybrid_stack_spec(config):
+    """A HybridStack spec from the local GPT layer specs: attention layers are a GPT layer without
+    its MLP, MLP and MoE layers one without its attention (what megatron's TE hybrid spec does)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
+
+    def local(**kw):
+        return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm", **kw).submodules
+
+    no_attention = dict(input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp)
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=dataclasses.replace(
+            local(), pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp)),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=dataclasses.replace(local(), **no_attention)),
+        moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=dataclasses.replace(
+            local(num_experts=config.num_moe_experts, moe_grouped_gemm=False), **no_attention))))
 
 
 def transformer_config(hidden=32, ffn=64, layers=4, heads=4, kv_heads=2, dtype=torch.float32, **extra):
@@ -121,12 +147,13 @@ def _ps():
 
 def build_gpt(seed: int, vocab: int = 96, hidden: int = 32, ffn: int = 64, layers: int = 4, heads: int = 4,
               kv_heads: int = 2, dtype: torch.dtype = torch.float32, tied: bool = False,
-              distributed_optimizer: bool = True, moe: dict | None = None):
+              distributed_optimizer: bool = True, moe: dict | None = None, hybrid: str | None = None):
     """This rank's piece of a tiny GPTModel (local spec, RMSNorm, SwiGLU, RoPE, no bias), wrapped
     (Float16Module for bf16, then) megatron's DistributedDataParallel. `distributed_optimizer`
     must match build_optimizer's choice: DDP reduce-scatters grads for the distributed optimizer
     and all-reduces them otherwise. `vocab` must be divisible by TP (no padding is added).
-    `moe`: TransformerConfig fields making it a mixture of experts (MOE, DSV3), SequentialMLP experts."""
+    `moe`: TransformerConfig fields making it a mixture of experts (MOE, DSV3), SequentialMLP experts.
+    `hybrid`: a HybridModel of this layer pattern (`*` attention, `-` MLP, `E` MoE) instead."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -139,13 +166,15 @@ def build_gpt(seed: int, vocab: int = 96, hidden: int = 32, ffn: int = 64, layer
     if vocab % tp or kv_heads % tp or ffn % tp:
         raise ValueError("vocab, kv_heads and ffn must be divisible by the TP size")  # see tp_slice
     model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(hidden, ffn, layers, heads, kv_heads, dtype, **(moe or {}))
-    gpt = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(config),
-        vocab_size=vocab, max_sequence_length=SEQ_LEN, pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=tied,
-        position_embedding_type="rope", parallel_output=True,
-    )
+    config = transformer_config(hidden, ffn, len(hybrid) if hybrid else layers, heads, kv_heads, dtype, **(moe or {}))
+    common = dict(config=config, vocab_size=vocab, max_sequence_length=SEQ_LEN, pre_process=ps.is_pipeline_first_stage(),
+                  post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=tied,
+                  position_embedding_type="rope", parallel_output=True)
+    if hybrid:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+        gpt = HybridModel(hybrid_stack_spec=hybrid_stack_spec(config), hybrid_layer_pattern=hybrid, **common)
+    else:
+        gpt = GPTModel(transformer_layer_spec=layer_spec(config), **common)
     init_weights(gpt, seed)
     module = Float16Module(config, gpt) if dtype == torch.bfloat16 else gpt
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from ckpt_plugins.families.hf_config import ModelConfig, hf_config, model_config
-from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, megatron_family
+from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, hybrid_layers, megatron_family
 from megatron_ext.gpt import segment_fragments
 
 DIMS = Dims(hidden=16, ffn=24, heads=8, groups=4, head_dim=2, vocab=50)
@@ -210,7 +210,7 @@ def megatron_parameters(m: ModelConfig):
             if d.family in ("qwen3", "qwen3_moe"):
                 out += [(p + "self_attention.q_layernorm.weight", (d.head_dim,), None),
                         (p + "self_attention.k_layernorm.weight", (d.head_dim,), None)]
-        if not d.experts or i < m.first_dense:
+        if not d.experts or i in m.dense_layers:
             out += [(p + "mlp.linear_fc1.weight", (2 * d.ffn, d.hidden), 0), (p + "mlp.linear_fc2.weight", (d.hidden, d.ffn), 1)]
             continue
         out.append((p + "mlp.router.weight", (d.experts, d.hidden), None))
@@ -231,19 +231,22 @@ def tiny(family) -> ModelConfig:
     moe = dict(experts=4, moe_ffn=12)
     dims = {"llama": {}, "qwen2": {}, "qwen3": {}, "mixtral": moe, "qwen3_moe": moe,
             "qwen2_moe": {**moe, "shared_ffn": 20}, "deepseek_v3": {**moe, "shared_ffn": 12, "mla": True}}[family]
-    extra = dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_dim=4, qk_rope_dim=2, v_head_dim=4, first_dense=1) \
+    extra = dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_dim=4, qk_rope_dim=2, v_head_dim=4) \
         if family == "deepseek_v3" else {}
     return ModelConfig(Dims(hidden=16, ffn=12 if family == "mixtral" else 24, heads=4, groups=2 if family != "deepseek_v3" else 4,
                             head_dim=2 if family == "deepseek_v3" else 4,  # MLA: HF's head_dim is the rope dim
                             vocab=40, family=family, **dims), layers=2, topk=2 if dims else 0, **extra)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"])
-def test_megatron_names_are_the_names_transformers_save_pretrained_writes(family, tmp_path):
+@pytest.mark.parametrize("family,dense", [("llama", ()), ("qwen2", ()), ("qwen3", ()), ("mixtral", ()),
+                                          ("qwen3_moe", ()), ("qwen3_moe", (0,)), ("qwen2_moe", ()), ("deepseek_v3", (0,))])
+def test_megatron_names_are_the_names_transformers_save_pretrained_writes(family, dense, tmp_path):
     """For each family, transformers' own model built from our config.json saves exactly the names
-    and shapes the mapping gives a Megatron model of the same sizes; the config reads back."""
+    and shapes the mapping gives a Megatron model of the same sizes (a MoE model's dense layers
+    included); the config reads back."""
+    import dataclasses
     import transformers
-    m = tiny(family)
+    m = dataclasses.replace(tiny(family), dense_layers=dense)
     config = hf_config(m)
     assert model_config(json.loads(json.dumps(config))) == m
     hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
@@ -255,3 +258,33 @@ def test_megatron_names_are_the_names_transformers_save_pretrained_writes(family
         for seg in canonical_segments(name, shape, m.dims, Ranks(), dim):
             ours[seg.name] = seg.shape
     assert ours == saved
+
+
+def test_hybrid_patterns_of_attention_and_mlp_pairs_number_as_gpt_layers():
+    assert hybrid_layers("*-*E") == [0, 0, 1, 1]
+    assert hybrid_layers("*-|*E/*-") == [0, 0, 1, 1]  # a pipeline cut; an MTP section is no decoder layer
+    assert hybrid_layers("M*-M") is None and hybrid_layers("*--") is None and hybrid_layers("-*") is None
+
+
+def test_mamba_mixer_fused_projections_reassemble_at_every_tp():
+    """in_proj rows are [z, x, B, C, dt] per TP rank and the convolution's channels [x, B, C] (the
+    parts megatron's MambaMixer splits them into): each part reshards on its own."""
+    dims = Dims(hidden=16, ffn=0, heads=4, groups=4, head_dim=4, vocab=40, family="megatron",
+                mamba_heads=8, mamba_head_dim=4, mamba_groups=4, mamba_state=2)
+    d_inner, bc = 32, 8
+    gen = torch.Generator().manual_seed(1)
+    for name, parts, tail in (("decoder.layers.1.mixer.in_proj.weight", [d_inner, d_inner, bc, bc, 8], (16,)),
+                              ("decoder.layers.1.mixer.conv1d_weight", [d_inner, bc, bc], (1, 4)),
+                              ("decoder.layers.1.mixer.conv1d_bias", [d_inner, bc, bc], ())):
+        blocks = [torch.randn((n,) + tail, generator=gen) for n in parts]
+        want = {name: torch.cat(blocks)}
+        for tp in (1, 2, 4):
+            pieces = []
+            for rank in range(tp):
+                local = torch.cat([b.chunk(tp)[rank] for b in blocks])
+                pieces += cut(name, local, dims, Ranks(rank, tp), 0)
+            assert torch.equal(reassemble(want, pieces)[name], want[name]), (name, tp)
+    # a hybrid's other layers keep their Megatron names
+    assert canonical_segments("decoder.layers.2.self_attention.linear_proj.weight", (16, 16), dims, Ranks(), 1)[0].name \
+        == "decoder.layers.2.self_attention.linear_proj.weight"
+    assert canonical_segments("decoder.final_norm.weight", (16,), dims)[0].name == "model.norm.weight"

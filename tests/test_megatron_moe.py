@@ -244,3 +244,56 @@ def test_deepseek_v3_shaped_model_with_mla_reshards_and_exports(tmp_path):
     with torch.no_grad():
         got = hf(IDS).logits
     torch.testing.assert_close(got, torch.load(os.path.join(root, "dsv3.pt"))["logits"], rtol=0, atol=2e-5)
+
+
+def hybrid_save_worker(rank, world, root):
+    """A HybridModel `*-*E` (attention, MLP, attention, MoE) at EP2: its checkpoint and logits."""
+    import megatron_util as mu
+    from megatron_ext import hf_config_json
+    mu.init_parallel(ep=2)
+    model = mu.build_gpt(0, moe=mu.MOE, hybrid="*-*E")
+    opt = mu.build_optimizer(model)
+    for step in range(STEPS):
+        mu.train_step(model, opt, step)
+    path = os.path.join(root, "hybrid")
+    cp.save(path, {**moe_state(model, opt), "hf_config": hf_config_json(model)})
+    logits = megatron_logits(model)
+    if rank == 0:
+        torch.save(logits, path + ".pt")
+    mu.destroy()
+
+
+def gpt_from_hybrid_worker(rank, world, root):
+    """The GPTModel of the same layers (dense first layer, then MoE) loads the hybrid's checkpoint."""
+    import megatron_util as mu
+    mu.init_parallel()
+    model = mu.build_gpt(7, layers=2, moe={**mu.MOE, "moe_layer_freq": [0, 1]}, distributed_optimizer=False)
+    opt = mu.build_optimizer(model)
+    path = os.path.join(root, "hybrid")
+    cp.load(path, {**moe_state(model, opt), "hf_config": cp.Ignore()})
+    assert_matches(path, moe_state(model, opt))
+    torch.testing.assert_close(megatron_logits(model), torch.load(path + ".pt"), rtol=0, atol=2e-5)
+    mu.destroy()
+
+
+def test_hybrid_model_saves_as_the_gpt_and_hf_layers_it_forms(tmp_path):
+    """HybridModel's attention + MLP/MoE pairs are stored as the HF layers they form: a GPTModel
+    with the same layers loads the checkpoint bit for bit with the same logits, and the export is a
+    Qwen3-MoE with a dense first layer (mlp_only_layers) that computes them too."""
+    import subprocess
+    import sys
+    from transformers import AutoModelForCausalLM
+    root = str(tmp_path)
+    run_ranks(2, hybrid_save_worker, root)
+    meta = cp.read_metadata(os.path.join(root, "hybrid"))
+    assert "model/model.layers.0.mlp.down_proj.weight" in meta.tensors
+    assert "model/model.layers.1.mlp.experts.3.up_proj.weight" in meta.tensors
+    assert "model/model.layers.1.input_layernorm.weight" in meta.tensors and "model/model.norm.weight" in meta.tensors
+    run_ranks(1, gpt_from_hybrid_worker, root)
+    bcp = os.path.join(os.path.dirname(sys.executable), "bcp")
+    subprocess.run([bcp, "export", os.path.join(root, "hybrid"), os.path.join(root, "hf")], check=True)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf")).eval()
+    assert hf.config.mlp_only_layers == [0]
+    with torch.no_grad():
+        got = hf(IDS).logits
+    torch.testing.assert_close(got, torch.load(os.path.join(root, "hybrid.pt")), rtol=0, atol=2e-5)

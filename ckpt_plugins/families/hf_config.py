@@ -7,7 +7,7 @@ sizes back from one. `ModelConfig` is what both directions share.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 from .megatron import FAMILIES, Dims
 
@@ -29,7 +29,7 @@ class ModelConfig:
     max_positions: int = 4096
     dtype: str = "float32"
     topk: int = 0              # experts per token
-    first_dense: int = 0       # leading dense layers of a MoE model (DeepSeek-V3)
+    dense_layers: Tuple[int, ...] = ()  # a MoE model's dense-MLP layers
     norm_topk: bool = True     # routing weights renormalised over the chosen experts
     routed_scaling: float = 1.0
     q_lora_rank: int = 0       # MLA (DeepSeek-V3)
@@ -55,16 +55,21 @@ def hf_config(m: ModelConfig) -> Dict[str, Any]:
     }
     if d.family in ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3"):
         out["attention_bias"] = False
+    if m.dense_layers and (d.family == "mixtral" or (d.family == "deepseek_v3"
+                                                      and m.dense_layers != tuple(range(len(m.dense_layers))))):
+        raise ValueError(f"{d.family} has no dense MLP layers {list(m.dense_layers)} in its config.json "
+                         "(DeepSeek-V3: only leading ones); pass family='megatron' to keep Megatron names")
     if d.family in ("qwen3_moe", "qwen2_moe"):
         out.update(num_experts=d.experts, num_experts_per_tok=m.topk, moe_intermediate_size=d.moe_ffn,
-                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=m.norm_topk)
+                   decoder_sparse_step=1, mlp_only_layers=list(m.dense_layers), norm_topk_prob=m.norm_topk)
         if d.family == "qwen2_moe":
             out["shared_expert_intermediate_size"] = d.shared_ffn
     elif d.family == "mixtral":
         out.update(num_local_experts=d.experts, num_experts_per_tok=m.topk, intermediate_size=d.moe_ffn)
     elif d.family == "deepseek_v3":
         out.update(n_routed_experts=d.experts, num_experts_per_tok=m.topk, moe_intermediate_size=d.moe_ffn,
-                   n_shared_experts=d.shared_ffn // d.moe_ffn if d.moe_ffn else 0, first_k_dense_replace=m.first_dense,
+                   n_shared_experts=d.shared_ffn // d.moe_ffn if d.moe_ffn else 0,
+                   first_k_dense_replace=len(m.dense_layers),
                    n_group=1, topk_group=1, routed_scaling_factor=m.routed_scaling, norm_topk_prob=m.norm_topk,
                    q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_dim,
                    qk_rope_head_dim=m.qk_rope_dim, v_head_dim=m.v_head_dim, head_dim=m.qk_rope_dim,
@@ -93,7 +98,8 @@ def model_config(config: Dict[str, Any]) -> ModelConfig:
                     rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
                     max_positions=config.get("max_position_embeddings", 4096),
                     dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
-                    topk=config.get("num_experts_per_tok", 0), first_dense=config.get("first_k_dense_replace", 0),
+                    topk=config.get("num_experts_per_tok", 0),
+                    dense_layers=tuple(config.get("mlp_only_layers") or range(config.get("first_k_dense_replace", 0))),
                     norm_topk=bool(config.get("norm_topk_prob", family != "qwen2_moe")),
                     routed_scaling=config.get("routed_scaling_factor", 1.0))
     if mla:

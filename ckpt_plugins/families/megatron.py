@@ -42,6 +42,7 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in (
     Family("mixtral", moe_block="block_sparse_moe", experts=("w1", "w3", "w2")),
     Family("qwen2_moe", shared="shared_expert", shared_gate="shared_expert_gate"),
     Family("deepseek_v3", shared="shared_experts", expert_bias="gate.e_score_correction_bias"),
+    Family("megatron"),  # no HF counterpart (a hybrid with Mamba layers): every layer keeps Megatron names
 )}
 
 
@@ -61,6 +62,10 @@ class Dims:
     moe_ffn: int = 0      # a routed expert's intermediate size
     shared_ffn: int = 0   # the shared experts' intermediate size
     mla: bool = False     # multi-latent attention (its projections are plain TP splits)
+    mamba_heads: int = 0  # Mamba mixers: heads, head size, B/C groups, state size
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,16 @@ def megatron_family(*, moe: bool, mla: bool, qk_norm: bool, qkv_bias: bool, shar
     return "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
 
 
+def hybrid_layers(pattern: str) -> Optional[List[int]]:
+    """The HF layer index of each layer of a HybridModel pattern made of attention + MLP/MoE pairs
+    (`*-*E`: HF layers 0, 0, 1, 1); None for any other pattern (Mamba, unpaired layers), whose
+    layers keep Megatron names. Pipeline separators `|` and multi-token-prediction sections are
+    not decoder layers."""
+    main = pattern.split("/")[0].replace("|", "")
+    pairs = len(main) % 2 == 0 and all(a == "*" and b in "-E" for a, b in zip(main[0::2], main[1::2]))
+    return [i // 2 for i in range(len(main))] if pairs else None
+
+
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)"
                      r"|(linear_fc[12])\.(weight|bias)(\d+))")
@@ -127,7 +142,8 @@ _MLA = {
     "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
 }
 _MLP_NORM = ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
-_TOP_NAMES = {"decoder.final_layernorm.weight": "model.norm.weight",
+_MAMBA_FUSED = ("mixer.in_proj.weight", "mixer.conv1d_weight", "mixer.conv1d_bias")
+_TOP_NAMES = {"decoder.final_layernorm.weight": "model.norm.weight", "decoder.final_norm.weight": "model.norm.weight",
               "embedding.word_embeddings.weight": "model.embed_tokens.weight"}
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -164,6 +180,10 @@ def _layer_segments(index: str, rest: str, local_shape: Shape, dims: Dims, ranks
     family = FAMILIES.get(dims.family)
     if family is None:
         raise ValueError(f"unknown model family {dims.family!r}; known: {', '.join(sorted(FAMILIES))}")
+    if rest in _MAMBA_FUSED:
+        return _mamba(f"decoder.layers.{index}.{rest}", local_shape, dims, ranks.tp_rank, ranks.tp_size)
+    if family.name == "megatron":
+        return None
     prefix, block = f"model.layers.{index}.", f"model.layers.{index}.{family.moe_block}."
     tp = (ranks.tp_rank, ranks.tp_size, dim)
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
@@ -242,6 +262,27 @@ def _grouped(index: str, which: int, local_shape: Shape, dims: Dims, ranks: Rank
         for seg in _expert(index, i, f"linear_fc{which}", "weight", sequential, dims, ranks, family, which - 1):
             (r0, c0), (rl, cl) = seg.local
             out.append(Segment(seg.name, seg.shape, ((i, c0, r0), (1, cl, rl)), seg.offsets, view, (2, 1)))
+    return out
+
+
+def _mamba(name: str, local_shape: Shape, dims: Dims, tp_rank: int, tp_size: int) -> List[Segment]:
+    """A Mamba mixer's fused TP-split tensors: `in_proj` rows are [z, x, B, C, dt] and the causal
+    convolution's channels [x, B, C], each part split over TP on its own (megatron's own
+    sharded_state_dict splits in_proj into these parts). Canonical: the TP1 layout, parts whole."""
+    d_inner, bc = dims.mamba_heads * dims.mamba_head_dim, dims.mamba_groups * dims.mamba_state
+    if not d_inner:
+        raise ValueError(f"{name}: the model's Mamba sizes are unknown (Dims.mamba_*)")
+    parts = [d_inner, d_inner, bc, bc, dims.mamba_heads] if "in_proj" in name else [d_inner, bc, bc]
+    if any(n % tp_size for n in parts):
+        raise ValueError(f"{name}: Mamba parts {parts} do not split over TP {tp_size}")
+    if local_shape[0] * tp_size != sum(parts):
+        raise ValueError(f"{name} has {local_shape[0]} rows on a TP rank; expected {sum(parts)} / {tp_size}")
+    shape = (sum(parts),) + tuple(local_shape[1:])
+    out, local_at, global_at = [], 0, 0
+    for n in parts:
+        out.append(Segment(name, shape, (_at(local_shape, local_at), _rows(local_shape, n // tp_size)),
+                           _at(local_shape, global_at + tp_rank * n // tp_size)))
+        local_at, global_at = local_at + n // tp_size, global_at + n
     return out
 
 
