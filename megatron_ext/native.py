@@ -1,26 +1,32 @@
 """`bcp import-megatron DIR PATH`: a native Megatron torch_dist checkpoint becomes a ckpt_plugins
-checkpoint under HF Llama names, in one process, with no GPU, process group or megatron import.
+checkpoint under the HF family's names, in one process, with no GPU, process group or megatron import.
 
 torch_dist is PyTorch DCP: a pickled `.metadata` (read with an allowlist of DCP's own metadata
 classes) and `__R_I.distcp` files of `torch.save`d chunks (read with torch's weights-only
 unpickler; Megatron's args and enums become inert stand-ins). Model tensors are stored globally,
-layers stacked on a leading axis: each layer's slice is a TP1 tensor, cut into HF tensors by the
-same segments as a live model. The distributed optimizer's default (`dp_reshardable`) state is
-one flat buffer per bucket and (TP, PP) rank, packing that rank's parameters in reverse order at
-64-element aligned starts: the packing is rebuilt from the run's arguments and checked against the
-chunk boundaries DCP recorded (a mismatch is an error, never a silent misassignment).
+layers (and experts) stacked on leading axes: each layer's (expert's) slice is a TP1 tensor, cut
+into canonical tensors by the same segments as a live model. The distributed optimizer's default
+(`dp_reshardable`) state is one flat buffer per bucket and model-parallel rank of each optimizer (a
+MoE run chains a dense one over (TP, PP) ranks and an expert one over (expert-TP, EP, PP) ranks),
+packing that rank's parameters in reverse order at 64-element aligned starts: the packing is
+rebuilt from the run's arguments and checked against the chunk boundaries DCP recorded (a mismatch
+is an error, never a silent misassignment). A checkpoint without run arguments (written by
+`dist_checkpointing.save` outside megatron.training) takes the model's sizes from an HF config.json.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ckpt_plugins.errors import CorruptCheckpointError, NotACheckpointError, UnsafePathError
-from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments
+from ckpt_plugins.families.hf_config import HF_CONFIG, ModelConfig, hf_config, model_config
+from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, megatron_family
 from ckpt_plugins.foreign import StandIn, load_pickle_restricted, load_torch_inert
 from ckpt_plugins.offline import LazyFragment, write_checkpoint
 from ckpt_plugins.state import MASTER, MODEL, OPTIM
@@ -112,16 +118,20 @@ class DcpCheckpoint:
 
 
 def _args_dims(args, padded_vocab: int) -> Dims:
-    for flag, want in (("swiglu", True), ("normalization", "RMSNorm"), ("position_embedding_type", "rope"),
-                       ("add_bias_linear", False)):
-        if getattr(args, flag, want) != want:
-            raise ValueError(f"the checkpoint's run has {flag}={getattr(args, flag)!r}; a Llama-shaped model needs "
-                             f"{want!r}")
+    """The mapping's view of the run's arguments (megatron.training's names)."""
     heads = args.num_attention_heads
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    experts = int(getattr(args, "num_experts", None) or getattr(args, "num_moe_experts", None) or 0)
+    shared = int(getattr(args, "moe_shared_expert_intermediate_size", None) or 0)
+    mla = bool(getattr(args, "multi_latent_attention", False))
+    family = megatron_family(moe=bool(experts), mla=mla, qk_norm=bool(getattr(args, "qk_layernorm", False)),
+                             qkv_bias=bool(getattr(args, "add_qkv_bias", False) or args.add_bias_linear),
+                             shared_experts=bool(shared), shared_gate=bool(getattr(args, "moe_shared_expert_gate", False)))
     return Dims(hidden=args.hidden_size, ffn=args.ffn_hidden_size, heads=heads, groups=groups or heads,
                 head_dim=args.kv_channels or args.hidden_size // heads, vocab=args.vocab_size or padded_vocab,
-                tied=not args.untie_embeddings_and_output_weights)
+                tied=not args.untie_embeddings_and_output_weights, gated=bool(args.swiglu), family=family,
+                experts=experts, moe_ffn=int(getattr(args, "moe_ffn_hidden_size", None) or 0) if experts else 0,
+                shared_ffn=shared, mla=mla)
 
 
 def _lazy(key_of, segments, shape, load, start: Optional[int], numel: int, dtype) -> List[LazyFragment]:
@@ -140,104 +150,153 @@ def _lazy(key_of, segments, shape, load, start: Optional[int], numel: int, dtype
     return out
 
 
+_EXPERTS = "decoder.layers.mlp.experts.experts."  # stacked [layer, expert, ...] (SequentialMLP / TEGroupedMLP)
+
+
 def _model_fragments(ck: DcpCheckpoint, dims: Dims) -> List[LazyFragment]:
+    """Model tensors are stored TP-merged, layers (and experts) stacked on leading axes: each
+    layer's (expert's) slice is a TP1 / EP1 tensor."""
     frags: List[LazyFragment] = []
     for fqn, meta in ck.tensors().items():
-        if fqn.startswith("optimizer.") or "_extra_state" in fqn:
+        if ".optimizer." in f".{fqn}" or "_extra_state" in fqn:
             continue
         shape = tuple(meta.size)
-        stacked = fqn.startswith("decoder.layers.")
-        for layer in range(shape[0]) if stacked else [None]:
-            name = f"decoder.layers.{layer}.{fqn[len('decoder.layers.'):]}" if stacked else fqn
-            local = shape[1:] if stacked else shape
-            load = (lambda f=fqn, i=layer: ck.tensor(f)[i]) if stacked else (lambda f=fqn: ck.tensor(f))
+        if fqn.startswith(_EXPERTS):
+            rest = fqn[len(_EXPERTS):]
+            places = [((layer, e), f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{rest}")
+                      for layer in range(shape[0]) for e in range(shape[1])]
+        elif fqn.startswith("decoder.layers."):
+            places = [((layer,), f"decoder.layers.{layer}.{fqn[len('decoder.layers.'):]}") for layer in range(shape[0])]
+        else:
+            places = [((), fqn)]
+        for index, name in places:
+            local = shape[len(index):]
+            load = (lambda f=fqn, i=index: ck.tensor(f)[i]) if index else (lambda f=fqn: ck.tensor(f))
             frags += _lazy(lambda n: f"{MODEL}/{n}", canonical_segments(name, local, dims), local, load, None,
                            math.prod(local), meta.properties.dtype)
     return frags
 
 
-def _stage_params(args, dims: Dims, padded_vocab: int, tp_rank: int, pp_rank: int):
-    """(name, TP-local shape, TP dim) of one (TP, PP) rank's parameters, in the local layer spec's
-    named_parameters order."""
+def _stage_params(args, dims: Dims, padded_vocab: int, pp_rank: int, tp_rank: int,
+                  expert: Optional[Tuple[int, int]] = None):
+    """(name, local shape, TP dim) of the parameters one optimizer steps on one rank, in the local
+    layer spec's named_parameters order: the dense ones of (TP, PP) rank, or with `expert` =
+    (EP rank, expert-TP rank) the experts'. Local expert numbers, as the live model names them."""
     tp, pp, h = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dims.hidden
     if args.num_layers % pp or getattr(args, "decoder_first_pipeline_num_layers", None) \
             or getattr(args, "decoder_last_pipeline_num_layers", None):
         raise ValueError("uneven pipeline stages are not supported by the optimizer import; pass --weights-only")
+    unsupported = [what for what, present in (
+        ("multi-latent attention", dims.mla), ("shared experts", dims.shared_ffn), ("linear biases", args.add_bias_linear),
+        ("a non-SwiGLU MLP", not dims.gated),
+        ("dense layers in a MoE model", dims.experts and getattr(args, "moe_layer_freq", 1) != 1)) if present]
+    if unsupported:
+        raise ValueError(f"the optimizer import rebuilds the distributed optimizer's buffers for GPT models "
+                         f"without {', '.join(unsupported)}; pass --weights-only to import the weights")
     per_stage = args.num_layers // pp
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    local_experts = dims.experts // (getattr(args, "expert_model_parallel_size", 1) or 1) if dims.experts else 0
     out = []
-    if pp_rank == 0:
+    if pp_rank == 0 and expert is None:
         out.append(("embedding.word_embeddings.weight", (padded_vocab // tp, h), 0))
     for layer in range(pp_rank * per_stage, (pp_rank + 1) * per_stage):
         p = f"decoder.layers.{layer}."
+        if expert is not None:
+            for i in range(local_experts):
+                out += [(f"{p}mlp.experts.local_experts.{i}.linear_fc1.weight", (2 * dims.moe_ffn // etp, h), 0),
+                        (f"{p}mlp.experts.local_experts.{i}.linear_fc2.weight", (h, dims.moe_ffn // etp), 1)]
+            continue
         out += [(p + "input_layernorm.weight", (h,), None),
                 (p + "self_attention.linear_proj.weight", (h, dims.heads * dims.head_dim // tp), 1),
-                (p + "self_attention.linear_qkv.weight", ((dims.heads + 2 * dims.groups) * dims.head_dim // tp, h), 0),
-                (p + "pre_mlp_layernorm.weight", (h,), None),
-                (p + "mlp.linear_fc1.weight", (2 * dims.ffn // tp, h), 0),
-                (p + "mlp.linear_fc2.weight", (h, dims.ffn // tp), 1)]
-    if pp_rank == pp - 1:
+                (p + "self_attention.linear_qkv.weight", ((dims.heads + 2 * dims.groups) * dims.head_dim // tp, h), 0)]
+        if getattr(args, "qk_layernorm", False):
+            out += [(p + "self_attention.q_layernorm.weight", (dims.head_dim,), None),
+                    (p + "self_attention.k_layernorm.weight", (dims.head_dim,), None)]
+        out.append((p + "pre_mlp_layernorm.weight", (h,), None))
+        out += [(p + "mlp.router.weight", (dims.experts, h), None)] if dims.experts else [
+            (p + "mlp.linear_fc1.weight", (2 * dims.ffn // tp, h), 0), (p + "mlp.linear_fc2.weight", (h, dims.ffn // tp), 1)]
+    if pp_rank == pp - 1 and expert is None:
         out.append(("decoder.final_layernorm.weight", (h,), None))
         if not dims.tied or pp > 1:
             out.append(("output_layer.weight", (padded_vocab // tp, h), 0))
     return out
 
 
-_BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.(\w+)")
+_BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
+                     r"\.bucket_idx_(\d+)\.(\w+)")
+
+
+def _optimizer_ranks(args, chained: int, mp: int) -> Tuple[Ranks, int, int, Optional[Tuple[int, int]]]:
+    """Where an optimizer's `dp_group_idx` sits: (Ranks, PP rank, TP rank, (EP, expert-TP) rank or
+    None). It is the rank in the optimizer's model-parallel group, ordered by global rank: TP then
+    PP for the dense optimizer (chained 0); expert-TP, then EP, then PP for the expert one (1)."""
+    tp = args.tensor_model_parallel_size
+    if chained == 0:
+        pp_rank, tp_rank = divmod(mp, tp)
+        return Ranks(tp_rank, tp), pp_rank, tp_rank, None
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    pp_rank, rest = divmod(mp, ep * etp)
+    ep_rank, etp_rank = divmod(rest, etp)
+    return Ranks(0, tp, ep_rank, ep, etp_rank, etp), pp_rank, 0, (ep_rank, etp_rank)
 
 
 def _optimizer_fragments(ck: DcpCheckpoint, args, dims: Dims, padded_vocab: int, masters: bool):
-    """Masters and Adam moments from the dp_reshardable buckets; also each parameter's group."""
-    buckets: Dict[int, Dict[Tuple[int, str, int], Dict[str, str]]] = {}
+    """Masters and Adam moments from the dp_reshardable buckets (a MoE run's dense and expert
+    optimizers chained); also each parameter's group."""
+    buckets: Dict[Tuple[int, int], Dict[Tuple[int, str, int], Dict[str, str]]] = {}
     for fqn in ck.tensors():
         m = _BUCKET.fullmatch(fqn)
         if m:
-            mp, gbuf, dtype, bucket, what = m.groups()
-            buckets.setdefault(int(mp), {}).setdefault((int(gbuf), dtype, int(bucket)), {})[what] = fqn
+            chained, mp, gbuf, dtype, bucket, what = m.groups()
+            key = (int(chained or 0), int(mp))
+            buckets.setdefault(key, {}).setdefault((int(gbuf), dtype, int(bucket)), {})[what] = fqn
     if not buckets:
         raise ValueError("the checkpoint's optimizer state is not in the distributed optimizer's dp_reshardable "
                          "format (the only one imported); pass --weights-only to import the weights")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if max(c for c, _ in buckets) > 1:
+        raise ValueError("more than a dense and an expert optimizer in the checkpoint; pass --weights-only")
     frags: List[LazyFragment] = []
-    one_d: Dict[str, bool] = {}  # HF name -> whether its parameter is 1-D (Megatron: no weight decay)
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            mp = pp_rank * tp + tp_rank  # rank in Megatron's model-parallel group (TP fastest)
-            if len(buckets.get(mp, {})) != 1 and len({k[:2] for k in buckets.get(mp, {})}) != 1:
-                raise ValueError(f"model-parallel rank {mp}: expected one gradient buffer, found "
-                                 f"{sorted(buckets.get(mp, {}))}")
-            keys = sorted(buckets[mp], key=lambda k: k[2])
-            params = list(reversed(_stage_params(args, dims, padded_vocab, tp_rank, pp_rank)))
-            for key in keys:
-                entries = buckets[mp][key]
-                size = int(ck.md.state_dict_metadata[entries["param"]].size[0])
-                chunks = {(o[0], s[0]) for o, s in ck.chunks(entries["param"])}
-                pos = 0
-                while params:
-                    name, shape, dim = params[0]
-                    start = math.ceil(pos / ALIGN) * ALIGN
-                    numel = math.prod(shape)
-                    if start + numel > size:
-                        break
-                    if (start, numel) not in chunks:
-                        raise CorruptCheckpointError(
-                            f"cannot rebuild the distributed optimizer's buffer layout: {name} would sit at "
-                            f"[{start}, {start + numel}) of {entries['param']}, which DCP does not record (a "
-                            "transformer-engine spec or another Megatron version?); pass --weights-only")
-                    params.pop(0)
-                    pos = start + numel
-                    segments = canonical_segments(name, shape, dims, Ranks(tp_rank, tp), dim)
-                    for seg in segments:
-                        if seg.name is not None:
-                            one_d[seg.name] = len(shape) == 1
-                    for what, fqn in entries.items():
-                        if what == "param" and not masters:
-                            continue
-                        state = MASTER if what == "param" else what
-                        frags += _lazy(lambda n, s=state: f"{OPTIM}/{n}/{s}", segments, shape,
-                                       lambda f=fqn, a=start, n=numel: ck.tensor(f)[a:a + n], 0, numel, torch.float32)
-            if params:
-                raise CorruptCheckpointError(f"model-parallel rank {mp}: {len(params)} parameters do not fit its "
-                                             "optimizer buckets; pass --weights-only")
+    one_d: Dict[str, Tuple[int, bool]] = {}  # name -> (its optimizer, 1-D: Megatron gives it no weight decay)
+    for (chained, mp), rank_buckets in sorted(buckets.items()):
+        ranks, pp_rank, tp_rank, expert = _optimizer_ranks(args, chained, mp)
+        if len({k[:2] for k in rank_buckets}) != 1:
+            raise ValueError(f"optimizer {chained}, model-parallel rank {mp}: expected one gradient buffer, found "
+                             f"{sorted(rank_buckets)}")
+        params = list(reversed(_stage_params(args, dims, padded_vocab, pp_rank, tp_rank, expert)))
+        for key in sorted(rank_buckets, key=lambda k: k[2]):
+            entries = rank_buckets[key]
+            size = int(ck.md.state_dict_metadata[entries["param"]].size[0])
+            # DCP records each parameter's range, cut further where the bucket's DP shards meet
+            starts = {o[0] for o, _ in ck.chunks(entries["param"])}
+            ends = {o[0] + s[0] for o, s in ck.chunks(entries["param"])}
+            pos = 0
+            while params:
+                name, shape, dim = params[0]
+                start = math.ceil(pos / ALIGN) * ALIGN
+                numel = math.prod(shape)
+                if start + numel > size:
+                    break
+                if start not in starts or start + numel not in ends:
+                    raise CorruptCheckpointError(
+                        f"cannot rebuild the distributed optimizer's buffer layout: {name} would sit at "
+                        f"[{start}, {start + numel}) of {entries['param']}, which DCP does not record (a "
+                        "transformer-engine spec or another Megatron version?); pass --weights-only")
+                params.pop(0)
+                pos = start + numel
+                segments = canonical_segments(name, shape, dims, ranks, dim)
+                for seg in segments:
+                    if seg.name is not None:
+                        one_d[seg.name] = (chained, len(shape) == 1)
+                for what, fqn in entries.items():
+                    if what == "param" and not masters:
+                        continue
+                    state = MASTER if what == "param" else what
+                    frags += _lazy(lambda n, s=state: f"{OPTIM}/{n}/{s}", segments, shape,
+                                   lambda f=fqn, a=start, n=numel: ck.tensor(f)[a:a + n], 0, numel, torch.float32)
+        if params:
+            raise CorruptCheckpointError(f"optimizer {chained}, model-parallel rank {mp}: {len(params)} parameters do "
+                                         "not fit its buckets; pass --weights-only")
     return frags, one_d
 
 
@@ -249,40 +308,88 @@ def resolve(directory: str) -> str:
     return directory if iteration is None else checkpoint_dir(directory, iteration)
 
 
-def import_megatron(directory: str, path, *, weights_only: bool = False, overwrite: bool = False, progress=None):
-    ck = DcpCheckpoint(resolve(directory))
+def _args_config(args, dims: Dims) -> ModelConfig:
+    """The run's sizes for the imported checkpoint's config.json."""
+    freq = getattr(args, "moe_layer_freq", 1)
+    moe = [bool(x) for x in freq] if isinstance(freq, list) else [i % freq == 0 for i in range(args.num_layers)]
+    eps = getattr(args, "layernorm_epsilon", None) or getattr(args, "norm_epsilon", None) or 1e-5
+    return ModelConfig(dims=dims, layers=args.num_layers, norm_eps=eps,
+                       rope_theta=float(getattr(args, "rotary_base", 10000)),
+                       max_positions=getattr(args, "max_position_embeddings", None) or args.seq_length,
+                       dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
+                       topk=getattr(args, "moe_router_topk", 0) or 0,
+                       dense_layers=tuple(i for i, m in enumerate(moe) if not m) if dims.experts else (),
+                       norm_topk=not getattr(args, "moe_router_pre_softmax", False))
+
+
+def _common_state(ck: DcpCheckpoint) -> dict:
+    """megatron.training's common state; {} for a checkpoint written by
+    `megatron.core.dist_checkpointing.save` outside it (Megatron-Bridge, NeMo, users' scripts)."""
+    if not any(k.startswith("common_state/") for k in ck.md.state_dict_metadata):
+        return {}
     common = ck.object("common_state")
-    common = common[0] if isinstance(common, list) else common
+    return common[0] if isinstance(common, list) else common
+
+
+def import_megatron(directory: str, path, *, weights_only: bool = False, overwrite: bool = False, progress=None,
+                    hf_config_path: Optional[str] = None):
+    """A native torch_dist checkpoint as a ckpt_plugins checkpoint. The model's sizes come from the
+    run's arguments, or from `hf_config_path` (an HF config.json) for a checkpoint without them."""
+    ck = DcpCheckpoint(resolve(directory))
+    common = _common_state(ck)
     args = common.get("args")
-    if not isinstance(args, StandIn):
-        raise CorruptCheckpointError(f"{ck.dir}: its common state has no run arguments")
     embedding = ck.tensors().get("embedding.word_embeddings.weight") or ck.tensors().get("output_layer.weight")
+    if embedding is None:
+        raise NotACheckpointError(f"{ck.dir} holds no GPT embedding or output layer (model keys "
+                                  f"{sorted(ck.tensors())[:3]}...): not a megatron-core GPT checkpoint")
     padded_vocab = int(embedding.size[0])
-    dims = _args_dims(args, padded_vocab)
+    if hf_config_path is not None:
+        with open(hf_config_path) as f:
+            config = model_config(json.load(f))
+        dims = replace(config.dims, vocab=min(config.dims.vocab, padded_vocab))
+    elif isinstance(args, StandIn):
+        dims = _args_dims(args, padded_vocab)
+        config = _args_config(args, dims)
+    else:
+        raise NotACheckpointError(
+            f"{ck.dir}: its common state has no run arguments (written by megatron.core.dist_checkpointing.save "
+            "outside megatron.training, e.g. by Megatron-Bridge or NeMo): pass --hf-config CONFIG_JSON, the "
+            "model's HF config.json, to take its sizes from it (the weights are imported; its optimizer state, "
+            "if any, needs the run's arguments)")
     fragments = _model_fragments(ck, dims)
     objects: Dict[str, Any] = {"megatron/iteration": int(common.get("iteration", 0)),
                                "megatron/num_floating_point_operations_so_far":
                                    float(common.get("num_floating_point_operations_so_far", 0))}
-    if not weights_only and getattr(args, "use_distributed_optimizer", False):
+    if dims.family != "megatron":
+        objects[HF_CONFIG] = json.dumps(hf_config(config), indent=2)
+    has_optimizer = any(_BUCKET.fullmatch(k) for k in ck.tensors())
+    if not weights_only and has_optimizer and not isinstance(args, StandIn):
+        raise ValueError(f"{ck.dir}: its optimizer state's layout needs the run's arguments, which it does not "
+                         "record; pass --weights-only to import the weights")
+    if not weights_only and isinstance(args, StandIn) and getattr(args, "use_distributed_optimizer", False):
         frags, one_d = _optimizer_fragments(ck, args, dims, padded_vocab, masters=bool(args.bf16 or args.fp16))
         fragments += frags
-        groups = ck.object("optimizer.distributed.dp_group_idx_0.optimizer")
-        groups = (groups[0] if isinstance(groups, list) else groups)["param_groups"]
         saved = []
-        for g in groups:  # Megatron's default grouping: no weight decay for 1-D parameters (norms)
-            members = [n for n, flat in one_d.items() if flat == (g.get("wd_mult", 1.0) == 0)]
-            saved.append({**{k: v for k, v in g.items() if k != "step"}, "params": members})
-            step = torch.tensor(float(g.get("step", 0)))
-            fragments += [LazyFragment(f"{OPTIM}/{n}/step", (), torch.float32, (), (), lambda s=step: s)
-                          for n in members]
+        for chained in sorted({c for c, _ in one_d.values()}):
+            prefix = f"chained_{chained}." if any(k.startswith("chained_") for k in ck.md.state_dict_metadata) else ""
+            groups = ck.object(f"{prefix}optimizer.distributed.dp_group_idx_0.optimizer")
+            groups = (groups[0] if isinstance(groups, list) else groups)["param_groups"]
+            for g in groups:  # Megatron's default grouping: no weight decay for 1-D parameters (norms)
+                members = [n for n, (c, flat) in one_d.items() if c == chained and flat == (g.get("wd_mult", 1.0) == 0)]
+                saved.append({**{k: v for k, v in g.items() if k != "step"}, "params": members})
+                step = torch.tensor(float(g.get("step", 0)))
+                fragments += [LazyFragment(f"{OPTIM}/{n}/step", (), torch.float32, (), (), lambda s=step: s)
+                              for n in members]
         objects[f"{OPTIM}/param_groups"] = saved
         sched = common.get("opt_param_scheduler")
         if isinstance(sched, dict):
             objects.update({f"sched/{k}": v for k, v in sched.items()})
-    elif not weights_only:
+    elif not weights_only and isinstance(args, StandIn):
         raise ValueError("only the distributed optimizer's state is imported; pass --weights-only")
-    layout = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-              "distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False)),
-              "imported_from": "megatron torch_dist"}
+    layout = {"imported_from": "megatron torch_dist"}
+    if isinstance(args, StandIn):
+        layout.update(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                      ep=getattr(args, "expert_model_parallel_size", 1) or 1,
+                      distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
     return write_checkpoint(path, fragments, objects, framework="megatron", layout=layout,
                             step=objects["megatron/iteration"], overwrite=overwrite, progress=progress)
