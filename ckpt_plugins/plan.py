@@ -6,8 +6,10 @@ with the stored boxes; every intersection becomes a byte-range read plus a copy.
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
+import pickle
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -83,62 +85,107 @@ def data_file_names(rank: int, count: int) -> List[str]:
     return [f"{DATA_DIR}/r{rank}-{i}.bin" for i in range(count)]
 
 
+def spec_parts(specs: Sequence[TensorSpec]) -> List[Tuple[bytes, int]]:
+    """A rank's specs as (digest, count) runs of one top-level key (`model/`, `optim/`, ...): a run
+    several ranks hold alike (the weights of data-parallel replicas, whose optimizer shards
+    differ) is planned once."""
+    out: List[Tuple[bytes, int]] = []
+    start = 0
+    for i in range(1, len(specs) + 1):
+        if i == len(specs) or specs[i].key.split("/", 1)[0] != specs[start].key.split("/", 1)[0]:
+            out.append((hashlib.sha256(pickle.dumps(specs[start:i])).digest(), i - start))
+            start = i
+    return out
+
+
+def _runs(specs: Sequence[TensorSpec], digest) -> List[Tuple[object, int, int]]:
+    """(identity, start, end) of the runs a rank's spec list is planned in."""
+    if digest is None:
+        return [(tuple(specs), 0, len(specs))]
+    if isinstance(digest, bytes):
+        return [(digest, 0, len(specs))]
+    out, at = [], 0
+    for d, n in digest:
+        out.append((d, at, at + n))
+        at += n
+    if at != len(specs):
+        raise ValueError(f"spec digests cover {at} of {len(specs)} specs")
+    return out
+
+
 def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
-              aliases: Optional[Dict[str, str]] = None, digests: Optional[Sequence[bytes]] = None) -> SavePlan:
+              aliases: Optional[Dict[str, str]] = None, digests: Optional[Sequence] = None) -> SavePlan:
     """Build the global save plan from every rank's tensor specs (index = rank).
 
-    Ranks with identical spec lists (data-parallel replicas; same `digests` when the ranks
-    computed them) are validated once; each distinct box goes to the least-loaded rank holding
-    it, biggest boxes first.
+    `digests[rank]`: the digest of the rank's whole spec list, or its `spec_parts`. Runs several
+    ranks hold alike (data-parallel replicas) are validated once; each distinct box goes to the
+    least-loaded rank holding it, biggest boxes first.
     """
     world = len(tensors)
     metas: Dict[str, TensorMeta] = {}
-    holders: Dict[Tuple[str, Box], List[int]] = {}  # box -> ranks holding it
-    sizes: Dict[Tuple[str, Box], int] = {}
-    leader_of: List[int] = []  # rank -> first rank with an identical spec list
-    unique: Dict[object, int] = {}
+    # the ranks holding each distinct run, and where it starts in each rank's list
+    starts_of: Dict[object, Dict[int, int]] = {}
+    first: Dict[object, Tuple[int, int, int]] = {}
     for rank, specs in enumerate(tensors):
-        leader_of.append(unique.setdefault(digests[rank] if digests else tuple(specs), rank))
-    groups: Dict[int, List[int]] = {}
-    for rank, leader in enumerate(leader_of):
-        groups.setdefault(leader, []).append(rank)
-    box_index: Dict[int, Dict[Tuple[str, Box], int]] = {leader: {} for leader in groups}
-    for leader, ranks in groups.items():
-        for index, spec in enumerate(tensors[leader]):
-            meta = metas.setdefault(spec.key, TensorMeta(spec.shape, spec.dtype))
-            if (meta.shape, meta.dtype) != (spec.shape, spec.dtype):
+        for ident, a, b in _runs(specs, digests[rank] if digests else None):
+            starts_of.setdefault(ident, {})[rank] = a
+            first.setdefault(ident, (rank, a, b))
+    # box -> [nbytes, [(the run's starts by rank, index in the run)]]
+    boxes: Dict[Tuple[str, Box], list] = {}
+    itemsize: Dict[str, int] = {}
+    for ident, (leader, a, b) in first.items():
+        starts = starts_of[ident]
+        specs = tensors[leader]
+        for i in range(a, b):
+            spec = specs[i]
+            meta = metas.get(spec.key)
+            if meta is None:
+                meta = metas[spec.key] = TensorMeta(spec.shape, spec.dtype)
+            elif meta.shape != spec.shape or meta.dtype != spec.dtype:
                 raise ValueError(f"{spec.key}: ranks disagree on the tensor: one holds shape "
                                  f"{list(meta.shape)} {meta.dtype}, rank {leader} holds shape "
                                  f"{list(spec.shape)} {spec.dtype}")
-            if len(spec.offsets) != len(spec.shape) or any(
-                    o + n > s for o, n, s in zip(spec.offsets, spec.lengths, spec.shape)):
+            offsets, lengths = spec.offsets, spec.lengths
+            if len(offsets) != len(spec.shape) or any(o + n > s for o, n, s in zip(offsets, lengths, spec.shape)):
                 raise ValueError(f"{spec.key}: rank {leader}'s box {spec.box} lies outside shape "
                                  f"{list(spec.shape)}")
-            box = (spec.key, spec.box)
-            if math.prod(spec.lengths) and box not in box_index[leader]:
-                box_index[leader][box] = index
-                holders.setdefault(box, []).extend(ranks)
-                sizes[box] = spec.nbytes
+            count = math.prod(lengths)
+            if not count:
+                continue
+            box = (spec.key, (offsets, lengths))
+            entry = boxes.get(box)
+            if entry is None:
+                size = itemsize.get(spec.dtype)
+                if size is None:
+                    size = itemsize[spec.dtype] = dtype_from_name(spec.dtype).itemsize
+                boxes[box] = [count * size, [(starts, i - a)]]
+            elif entry[1][-1][0] is not starts:  # the same box in another run (a rank holds it once)
+                entry[1].append((starts, i - a))
 
     # Replicated boxes big enough are cut into row ranges so several holders write them in parallel.
-    pieces = []  # (key, piece box, nbytes, parent box)
-    for box, ranks in holders.items():
+    holder_sets: Dict[Tuple[int, ...], Tuple[int, ...]] = {}  # by the runs holding a box
+    pieces = []  # (key, piece box, nbytes, parent box, its holders)
+    for box, (nbytes, runs) in boxes.items():
+        by_runs = tuple(id(starts) for starts, _ in runs)
+        ranks = holder_sets.get(by_runs)
+        if ranks is None:
+            ranks = holder_sets[by_runs] = tuple(r for starts, _ in runs for r in starts)
         key, (offs, lens) = box
-        n = min(len(ranks), sizes[box] // SPLIT_BYTES, lens[0] if lens else 1)
+        n = min(len(ranks), nbytes // SPLIT_BYTES, lens[0] if lens else 1)
         if n < 2:
-            pieces.append((key, box[1], sizes[box], box))
+            pieces.append((key, box[1], nbytes, box, ranks))
             continue
-        row_bytes = sizes[box] // lens[0]
+        row_bytes = nbytes // lens[0]
         for i in range(n):
             lo, hi = lens[0] * i // n, lens[0] * (i + 1) // n
-            pieces.append((key, ((offs[0] + lo,) + offs[1:], (hi - lo,) + lens[1:]), (hi - lo) * row_bytes, box))
+            pieces.append((key, ((offs[0] + lo,) + offs[1:], (hi - lo,) + lens[1:]), (hi - lo) * row_bytes, box, ranks))
 
     load = LeastLoaded(world)
     assigned: List[List[Tuple[int, Box, int]]] = [[] for _ in range(world)]  # (spec index, box, nbytes)
-    holder_sets = {box: tuple(ranks) for box, ranks in holders.items()}
-    for key, piece, nbytes, parent in sorted(pieces, key=lambda p: (-p[2], p[0], p[1])):
-        rank = load.pick(holder_sets[parent])
-        assigned[rank].append((box_index[leader_of[rank]][parent], piece, nbytes))
+    for key, piece, nbytes, parent, ranks in sorted(pieces, key=lambda p: (-p[2], p[0], p[1])):
+        rank = load.pick(ranks)
+        index = next(starts[rank] + i for starts, i in boxes[parent][1] if rank in starts)
+        assigned[rank].append((index, piece, nbytes))
         load.add(rank, nbytes)
 
     writes: List[List[WriteItem]] = []
