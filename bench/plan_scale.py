@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import math
-import pickle
 import resource
 import time
 import tracemalloc
 
 from ckpt_plugins.format import decode_metadata
 from ckpt_plugins.fragment import flat_views
-from ckpt_plugins.plan import TensorSpec, assign_transfers, plan_load, plan_save, read_request, spec_parts
+from ckpt_plugins.plan import TensorSpec, assign_transfers, plan_load, plan_save, read_request, runs_of, spec_parts
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 8192, 28672, 80, 64, 8, 32000
 TP, PP = 8, 8
@@ -154,20 +152,20 @@ LAYOUTS = {"llama70b": (llama_layout, (1024, 8192), (2.0, 2.0, 1024)),
 def run(layout, world: int) -> dict:
     coords, templates = layout(world)
     parts = {c: spec_parts(s) for c, s in templates.items()}  # each rank computes its own
-    digests = {c: hashlib.sha256(pickle.dumps(p)).digest() for c, p in parts.items()}
     # what the coordinator receives: one (specs, parts) per rank
     gathered = [templates[c] for c in coords]
     rank_parts = [parts[c] for c in coords]
-    rank_digests = [digests[c] for c in coords]
 
     def save_plan():
         return plan_save(gathered, files_per_rank=2, digests=rank_parts)
 
-    def local_plan(c):  # what one rank does for itself
-        return [read_request(r) for r in plan_load(plan.metadata, templates[c]).reads]
+    def local_plan(c):  # what one rank does for itself: its reads and their runs
+        reads = plan_load(plan.metadata, templates[c]).reads
+        requests = [read_request(r) for r in reads]
+        return requests, runs_of([r.key for r in reads], requests)
 
-    def load_plan():  # the read-once assignment over every rank's requests (each rank runs it)
-        return assign_transfers([requests[c] for c in coords], digests=rank_digests)
+    def load_plan(rank=None):  # the read-once assignment over every rank's requests (each rank runs it)
+        return assign_transfers([requests[c][0] for c in coords], [requests[c][1] for c in coords], rank)
 
     t0 = time.perf_counter()
     plan = save_plan()
@@ -184,15 +182,16 @@ def run(layout, world: int) -> dict:
     t_local = time.perf_counter() - t0  # one rank (the last stage's: the biggest)
     requests = {c: local_plan(c) for c in templates}
     t0 = time.perf_counter()
-    transfers = load_plan()
+    load_plan(world - 1)
     t_load = t_local + time.perf_counter() - t0  # one rank's plan, then the global assignment
+    transfers = load_plan().transfers
     # peak memory of each step, measured in a second, traced run (tracing slows it down)
     gc.collect()
     tracemalloc.start()
     save_plan()
     _, peak_save = tracemalloc.get_traced_memory()
     tracemalloc.reset_peak()
-    load_plan()
+    load_plan(world - 1)
     _, peak_load = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     read_once = sum(t.end - t.start for t in transfers.values())

@@ -16,6 +16,7 @@ import crc32c as _crc32c
 import torch
 
 from .errors import MetadataError, UnsafePathError
+from .gcpause import gc_paused
 
 FORMAT_NAME = "ckpt_plugins"
 FORMAT_VERSION = 1
@@ -184,6 +185,7 @@ def _object(key: str, raw: dict, chunk_bytes: int) -> ObjectMeta:
     return meta
 
 
+@gc_paused
 def decode_metadata(data: bytes) -> Metadata:
     """Parse and validate metadata bytes. Raises MetadataError (or UnsafePathError) only."""
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import shm
 from .committed import check_files, read_metadata, read_object
@@ -18,7 +18,8 @@ from .coordinator import Coordinator
 from .engine.read import read_items
 from .errors import LoadMismatchError
 from .failure import RankFailure
-from .plan import LoadPlan, Request, assign_transfers, candidate_keys, plan_load, read_request, resolve_key, specs_of
+from .plan import (LoadPlan, Request, assign_transfers, candidate_keys, plan_load, read_request, resolve_key, runs_of,
+                   specs_of)
 from .results import LoadResult
 from .state import LoadItems, root_handler
 from .storage import Storage
@@ -34,6 +35,7 @@ class LoadRequest:
     wanted: List[str] = field(default_factory=list)  # stored keys it uses
     missing: List[str] = field(default_factory=list)
     reads: List[Request] = field(default_factory=list)  # for the read-once assignment
+    runs: List[Tuple[bytes, int]] = field(default_factory=list)  # runs_of(reads): replicas' alike runs
     host: Optional[str] = None  # ranks of one host exchange through shared memory
 
 
@@ -79,6 +81,7 @@ class Load:
                                     | {s.key for s in specs} | set(items.objects) | set(items.per_rank) | items.accepted)
             request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects]
             request.reads = [read_request(r) for r in plan.reads]
+            request.runs = runs_of([r.key for r in plan.reads], request.reads)
             recorder.add("plan", t, time.time())
         except Exception as exc:  # every rank must learn of it, or the others would wait forever
             failure = RankFailure.of(coord.rank, exc)
@@ -113,11 +116,12 @@ class Load:
 
     def _read(self, plan: LoadPlan, metadata, requests: List[LoadRequest]) -> int:
         coord = self.coord
-        shared = assign_transfers([r.reads for r in requests])
+        assignment = assign_transfers([r.reads for r in requests], [r.runs for r in requests], coord.rank)
+        shared = assignment.transfers
         mine = requests[coord.rank].reads
         transfers = {i: shared[req[:2]] for i, req in enumerate(mine) if req[:2] in shared}
         hosts = [r.host for r in requests]
-        if not (shared and self.shared_memory and any(h is not None and hosts.count(h) > 1 for h in hosts)):
+        if not (assignment.shared and self.shared_memory and any(h is not None and hosts.count(h) > 1 for h in hosts)):
             hosts = None
         return read_items(self.storage, plan.reads, self.items.fragments,
                           {k: m.dtype for k, m in metadata.tensors.items()}, metadata.chunk_bytes,

@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
+import operator
 import pickle
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import LoadMismatchError
+from .gcpause import gc_paused
 from .format import CHUNK_BYTES, DATA_DIR, Metadata, StoredBox, TensorMeta, dtype_from_name, dtype_name
 from .fragment import Box, Shape, flat_offset, intersect
 from .hostmem import PAGE
@@ -85,17 +87,21 @@ def data_file_names(rank: int, count: int) -> List[str]:
     return [f"{DATA_DIR}/r{rank}-{i}.bin" for i in range(count)]
 
 
-def spec_parts(specs: Sequence[TensorSpec]) -> List[Tuple[bytes, int]]:
-    """A rank's specs as (digest, count) runs of one top-level key (`model/`, `optim/`, ...): a run
-    several ranks hold alike (the weights of data-parallel replicas, whose optimizer shards
-    differ) is planned once."""
+def runs_of(keys: Sequence[str], items: Sequence) -> List[Tuple[bytes, int]]:
+    """`items` (a rank's specs or read requests, `keys` their tensor keys) as (digest, count) runs
+    of one top-level key (`model/`, `optim/`, ...). A run several ranks hold alike (the weights of
+    data-parallel replicas, whose optimizer shards differ) is planned once."""
     out: List[Tuple[bytes, int]] = []
     start = 0
-    for i in range(1, len(specs) + 1):
-        if i == len(specs) or specs[i].key.split("/", 1)[0] != specs[start].key.split("/", 1)[0]:
-            out.append((hashlib.sha256(pickle.dumps(specs[start:i])).digest(), i - start))
+    for i in range(1, len(items) + 1):
+        if i == len(items) or keys[i].split("/", 1)[0] != keys[start].split("/", 1)[0]:
+            out.append((hashlib.sha256(pickle.dumps(list(items[start:i]))).digest(), i - start))
             start = i
     return out
+
+
+def spec_parts(specs: Sequence[TensorSpec]) -> List[Tuple[bytes, int]]:
+    return runs_of([s.key for s in specs], specs)
 
 
 def _runs(specs: Sequence[TensorSpec], digest) -> List[Tuple[object, int, int]]:
@@ -113,6 +119,7 @@ def _runs(specs: Sequence[TensorSpec], digest) -> List[Tuple[object, int, int]]:
     return out
 
 
+@gc_paused
 def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
               aliases: Optional[Dict[str, str]] = None, digests: Optional[Sequence] = None) -> SavePlan:
     """Build the global save plan from every rank's tensor specs (index = rank).
@@ -146,7 +153,8 @@ def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
                                  f"{list(meta.shape)} {meta.dtype}, rank {leader} holds shape "
                                  f"{list(spec.shape)} {spec.dtype}")
             offsets, lengths = spec.offsets, spec.lengths
-            if len(offsets) != len(spec.shape) or any(o + n > s for o, n, s in zip(offsets, lengths, spec.shape)):
+            if len(offsets) != len(spec.shape) or len(lengths) != len(offsets) or not all(
+                    map(operator.le, map(operator.add, offsets, lengths), spec.shape)):
                 raise ValueError(f"{spec.key}: rank {leader}'s box {spec.box} lies outside shape "
                                  f"{list(spec.shape)}")
             count = math.prod(lengths)
@@ -288,6 +296,7 @@ def choose_source(metadata: Metadata, spec: TensorSpec) -> Optional[str]:
                             f"{spec.dtype} copy ({found}); convert the model or the checkpoint")
 
 
+@gc_paused
 def plan_load(metadata: Metadata, wanted: Sequence[TensorSpec]) -> LoadPlan:
     """Reads and copies that fill every wanted box; raises LoadMismatchError on any misfit.
 
@@ -366,20 +375,35 @@ def read_request(read: ReadItem) -> Request:
     return read.stored.file, read.stored.offset, read.start, read.end, read_regions(read)
 
 
-def assign_transfers(requests: Sequence[Sequence[Request]],
-                     digests: Optional[Sequence[bytes]] = None) -> Dict[Tuple[str, int], Transfer]:
+@dataclass
+class Assignment:
+    """The read-once assignment: `transfers` (all, or those one rank reads or needs), and how many
+    shared items there are in all (the same on every rank)."""
+    transfers: Dict[Tuple[str, int], Transfer]
+    shared: int
+
+
+@gc_paused
+def assign_transfers(requests: Sequence[Sequence[Request]], digests: Optional[Sequence] = None,
+                     rank: Optional[int] = None) -> Assignment:
     """Pick one reader for every stored item that several ranks read (pure; same on every rank).
 
     The reader is one of the ranks needing the item, balancing bytes read across ranks; it reads
-    the union of the needed ranges. Items only one rank needs are left to that rank. Ranks with
-    identical request lists (same `digests`) are handled as one group.
+    the union of the needed ranges. Items only one rank needs are left to that rank. `digests`
+    (each rank's request runs, `runs_of`, or one digest per rank): runs several ranks request
+    alike are handled once. With `rank`, only the transfers that rank reads or needs are built.
     """
-    groups: Dict[object, List[int]] = {}
-    for rank, reqs in enumerate(requests):
-        groups.setdefault(digests[rank] if digests else tuple(reqs), []).append(rank)
+    groups: Dict[object, list] = {}  # run -> [ranks, leader, start, end]
+    for r, reqs in enumerate(requests):
+        for ident, a, b in _runs(reqs, digests[r] if digests else None):
+            group = groups.get(ident)
+            if group is None:
+                groups[ident] = [[r], r, a, b]
+            else:
+                group[0].append(r)
     needs: Dict[Tuple[str, int], List[Tuple[List[int], int, int, Tuple[Box, ...]]]] = {}
-    for ranks in groups.values():
-        for file, offset, start, end, regions in requests[ranks[0]]:
+    for ranks, leader, a, b in groups.values():
+        for file, offset, start, end, regions in requests[leader][a:b]:
             needs.setdefault((file, offset), []).append((ranks, start, end, regions))
     load = LeastLoaded(len(requests))
     shared = []
@@ -389,18 +413,20 @@ def assign_transfers(requests: Sequence[Sequence[Request]],
         else:
             shared.append((min(u[1] for u in users), max(u[2] for u in users), item))
     out: Dict[Tuple[str, int], Transfer] = {}
-    needer_sets: Dict[Tuple[int, ...], Tuple[int, ...]] = {}  # by the groups needing an item
+    needer_sets: Dict[Tuple[int, ...], Tuple[Tuple[int, ...], frozenset]] = {}  # by the runs needing an item
     for tag, (start, end, item) in enumerate(sorted(shared, key=lambda x: (x[0] - x[1], x[2]))):
         users = needs[item]
         by_groups = tuple(id(u[0]) for u in users)
-        needers = needer_sets.get(by_groups)
-        if needers is None:
-            needers = needer_sets[by_groups] = tuple(r for u in users for r in u[0])
-        wants = tuple(u[3] for u in users for _ in u[0])
+        cached = needer_sets.get(by_groups)
+        if cached is None:
+            needers = tuple(r for u in users for r in u[0])
+            cached = needer_sets[by_groups] = (needers, frozenset(needers) if rank is not None else frozenset())
+        needers = cached[0]
         reader = load.pick(needers)
         load.add(reader, end - start)
-        out[item] = Transfer(reader, needers, wants, start, end, tag)
-    return out
+        if rank is None or rank in cached[1]:
+            out[item] = Transfer(reader, needers, tuple(u[3] for u in users for _ in u[0]), start, end, tag)
+    return Assignment(out, len(shared))
 
 
 class LeastLoaded:

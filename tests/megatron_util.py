@@ -335,3 +335,27 @@ def train_step(model, optimizer, step_index: int, micro_batch_size: int | None =
     dist.all_reduce(value)
     last_stage_ranks = dist.get_world_size() // pp
     return value.item() / last_stage_ranks
+
+
+def assert_losses_continue(model, optimizer, first_step: int, ref, dtype, what) -> None:
+    """The next len(ref) steps' losses match the uninterrupted run's `ref`: fp32 within 2e-6
+    relative (only the summation order differs between layouts), bf16 within 2e-3 (a layout change
+    changes bf16 roundings)."""
+    losses = [train_step(model, optimizer, first_step + i) for i in range(len(ref))]
+    tol = 2e-6 if dtype == torch.float32 else 2e-3
+    for got, want in zip(losses, ref):
+        assert abs(got - want) <= tol * abs(want), (what, losses, ref)
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits of `ids` (the same on every rank), gathered over TP, in eval mode."""
+    ps = _ps()
+    b, s = ids.shape
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    model.eval()
+    with torch.no_grad():
+        local = model(ids, torch.arange(s).unsqueeze(0).expand(b, s), mask)
+    model.train()
+    parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)

@@ -5,7 +5,6 @@ Megatron TP2 with the same logits. The vocabulary is padded on the Megatron side
 import os
 
 import torch
-import torch.distributed as dist
 
 import ckpt_plugins as cp
 from distributed import run_ranks
@@ -28,24 +27,12 @@ def hf_llama(seed):
     return model.eval()
 
 
-def megatron_logits(model):
-    """Full-vocabulary logits of the TP-split model (gathered over TP by the test)."""
-    from megatron.core import parallel_state as ps
-    b, s = IDS.shape
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
-    with torch.no_grad():
-        local = model(IDS, torch.arange(s).unsqueeze(0).expand(b, s), mask)
-    parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
-    dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=-1)
-
-
 def tp2_worker(rank, world, root):
     import megatron_util as mu
     from megatron_ext import MegatronModel
     mu.init_parallel(2, 1)
     model = mu.build_gpt(3, vocab=PADDED, distributed_optimizer=False)
-    out = {"megatron": megatron_logits(model)}
+    out = {"megatron": mu.logits(model, IDS)}
     cp.save(os.path.join(root, "megatron"), {"model": MegatronModel(model, vocab_size=VOCAB)})
 
     fresh = mu.build_gpt(4, vocab=PADDED, distributed_optimizer=False)
@@ -54,7 +41,7 @@ def tp2_worker(rank, world, root):
     for weight in (gpt.embedding.word_embeddings.weight, gpt.output_layer.weight):
         if rank == 1:  # rows 47, 48 of this rank's 48 are vocabulary padding
             assert torch.count_nonzero(weight[VOCAB - 48:]) == 0 and torch.count_nonzero(weight[:VOCAB - 48]) > 0
-    out["from_hf"] = megatron_logits(fresh)
+    out["from_hf"] = mu.logits(fresh, IDS)
     if rank == 0:
         torch.save(out, os.path.join(root, "logits.pt"))
     mu.destroy()

@@ -93,10 +93,29 @@ def test_read_once_assignment_reads_every_shared_range_once():
     reqs = [[("f", 0, 0, 100, rows(0, 25)), ("f", 200, 0, 50, rows(0, 12))], [("f", 0, 0, 60, rows(0, 15))],
             [("f", 0, 40, 100, rows(10, 15))], [("g", 0, 0, 8, rows(0, 2))]]
     out = assign_transfers(reqs)
-    assert set(out) == {("f", 0)}  # items one rank needs stay with that rank
-    t = out[("f", 0)]
+    assert set(out.transfers) == {("f", 0)} and out.shared == 1  # items one rank needs stay with that rank
+    t = out.transfers[("f", 0)]
     assert (t.start, t.end, t.needers) == (0, 100, (0, 1, 2)) and t.reader in (1, 2)  # rank 0 reads more already
     assert t.wants == (rows(0, 25), rows(0, 15), rows(10, 15))  # what the reader sends each needer
+    assert assign_transfers(reqs, rank=3).transfers == {} and assign_transfers(reqs, rank=3).shared == 1
+    assert assign_transfers(reqs, rank=1).transfers == out.transfers
+
+
+def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
+    """Replicas request the same weights and each its own optimizer shard: handled by runs
+    (`runs_of`), the assignment is the one made rank by rank."""
+    from ckpt_plugins.plan import assign_transfers, runs_of
+    rows = lambda a, n: (((a, 0), (n, 4)),)  # noqa: E731
+    weights = [("w", 64 * i, 0, 64, rows(0, 4)) for i in range(3)]
+    reqs = [weights + [("o", 96 * r, 0, 32, rows(r, 1)), ("o", 96 * ((r + 1) % 4), 32, 64, rows(r, 1))] for r in range(4)]
+    keys = ["model/w"] * 3 + ["optim/o"] * 2
+    runs = [runs_of(keys, r) for r in reqs]
+    assert len({r[0] for r in runs}) == 1 and len({r[1] for r in runs}) == 4
+    by_runs, by_ranks = assign_transfers(reqs, runs), assign_transfers(reqs)
+    assert by_runs == by_ranks and by_runs.shared == 7
+    for rank in range(4):
+        assert assign_transfers(reqs, runs, rank).transfers == {
+            k: t for k, t in by_ranks.transfers.items() if rank in t.needers}
 
 
 def test_read_regions_are_the_payload_layout_and_contiguous_ones_need_no_packing():
@@ -130,3 +149,34 @@ def test_load_source_of_the_wanted_dtype_is_preferred_and_casts_need_consent():
     assert read.key == "model/w"  # no copy of the wanted dtype: the first candidate, converted
     missing = plan_load(stored, [replace(weights, key="model/v", sources=("optim/v/master",))])
     assert missing.missing == ["model/v"] and not missing.reads
+
+
+def test_planning_pauses_the_garbage_collector_and_gives_it_back():
+    import gc
+    import threading
+
+    from ckpt_plugins.gcpause import gc_paused
+    seen, entered, leave = [], threading.Event(), threading.Event()
+
+    @gc_paused
+    def work(wait=False):
+        seen.append(gc.isenabled())
+        if wait:
+            entered.set()
+            leave.wait(10)
+
+    assert gc.isenabled()
+    slow = threading.Thread(target=work, args=(True,))
+    slow.start()
+    entered.wait(10)
+    work()  # a second planner while the first runs: the first's pause holds
+    assert gc.isenabled() is False
+    leave.set()
+    slow.join()
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        work()
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
