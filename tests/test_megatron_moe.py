@@ -5,6 +5,7 @@ process. Weights, fp32 masters and Adam moments equal the saved ones bit for bit
 stored under their global index as the HF files name them (checked against Megatron's own
 sharded_state_dict), and training continues with the uninterrupted run's losses."""
 import json
+import math
 import os
 
 import pytest
@@ -15,6 +16,7 @@ from checkpoint_compare import assert_matches
 from ckpt_plugins.committed import read_object
 from ckpt_plugins.offline import open_checkpoint
 from distributed import run_ranks
+from megatron_util import MOE
 
 STEPS = 2
 
@@ -113,7 +115,8 @@ IDS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(5))
 
 
 def export_worker(rank, world, root):
-    """An fp32 Qwen3-MoE at EP2: its logits and a checkpoint carrying its config.json."""
+    """An fp32 Qwen3-MoE at EP2 on 4 ranks (expert-DP 2): its logits and a checkpoint carrying its
+    config.json."""
     import megatron_util as mu
     from megatron_ext import MegatronModel, hf_config_json
     mu.init_parallel(ep=2)
@@ -138,7 +141,7 @@ def import_worker(rank, world, root, tp, ep):
 
 
 def test_moe_export_from_pretrained_save_pretrained_import_keeps_the_logits(tmp_path):
-    """Megatron EP2 → `bcp export` (per-expert names and config.json, nothing copied by hand) →
+    """Megatron EP2 x expert-DP2 → `bcp export` (per-expert names and config.json, nothing copied by hand) →
     transformers' Qwen3MoeForCausalLM.from_pretrained: the Megatron model's logits. Its
     save_pretrained → `bcp import-hf` → Megatron at TP2 (expert-TP 2) and at EP4: the same logits."""
     import subprocess
@@ -147,7 +150,10 @@ def test_moe_export_from_pretrained_save_pretrained_import_keeps_the_logits(tmp_
     from transformers import AutoModelForCausalLM
     bcp = os.path.join(os.path.dirname(sys.executable), "bcp")
     root = str(tmp_path)
-    run_ranks(2, export_worker, root)
+    run_ranks(4, export_worker, root)
+    meta = cp.read_metadata(os.path.join(root, "megatron"))
+    for key, t in meta.tensors.items():  # expert-DP and DP replicas: every element written once
+        assert sum(b.nbytes for b in t.boxes) == 4 * math.prod(t.shape), key
     subprocess.run([bcp, "export", os.path.join(root, "megatron"), os.path.join(root, "hf")], check=True)
     with safe_open(os.path.join(root, "hf", "model.safetensors"), "pt") as f:
         assert "model.layers.3.mlp.experts.3.down_proj.weight" in set(f.keys())
@@ -276,3 +282,38 @@ def test_hybrid_model_saves_as_the_gpt_and_hf_layers_it_forms(tmp_path):
     with torch.no_grad():
         got = hf(IDS).logits
     torch.testing.assert_close(got, torch.load(os.path.join(root, "hybrid.pt")), rtol=0, atol=2e-5)
+
+
+FAMILIES = {"qwen2": ({"add_qkv_bias": True}, "Qwen2ForCausalLM"),
+            "qwen3": ({"qk_layernorm": True}, "Qwen3ForCausalLM"),
+            "mixtral": ({**MOE, "qk_layernorm": False}, "MixtralForCausalLM")}
+
+
+def family_worker(rank, world, root, extra):
+    import megatron_util as mu
+    from megatron_ext import MegatronModel, hf_config_json
+    mu.init_parallel()
+    model = mu.build_gpt(3, distributed_optimizer=False, moe=extra)
+    cp.save(os.path.join(root, "megatron"), {"model": MegatronModel(model), "hf_config": hf_config_json(model)})
+    torch.save(mu.logits(model, IDS), os.path.join(root, "logits.pt"))
+    mu.destroy()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_exports_from_megatron_with_its_config_and_logits(family, tmp_path):
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mixtral (MoE, block_sparse_moe names): `bcp export`
+    of a Megatron checkpoint, then transformers' class of the family, from_pretrained with the
+    config.json the export wrote, computes the Megatron model's logits."""
+    import subprocess
+    import sys
+    from transformers import AutoModelForCausalLM
+    extra, cls = FAMILIES[family]
+    root = str(tmp_path)
+    run_ranks(1, family_worker, root, extra)
+    bcp = os.path.join(os.path.dirname(sys.executable), "bcp")
+    subprocess.run([bcp, "export", os.path.join(root, "megatron"), os.path.join(root, "hf")], check=True)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf")).eval()
+    assert type(hf).__name__ == cls
+    with torch.no_grad():
+        got = hf(IDS).logits
+    torch.testing.assert_close(got, torch.load(os.path.join(root, "logits.pt")), rtol=0, atol=2e-5)
