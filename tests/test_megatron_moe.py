@@ -1,9 +1,15 @@
-"""megatron-core mixture of experts (real megatron-core on CPU, gloo): a tiny Qwen3-MoE-shaped
-GPTModel (4 experts, top-2, q/k norms, SequentialMLP, alltoall dispatcher) saved at EP2×PP2 with
-the distributed optimizer in bf16, loaded at EP1×TP2 (experts split over expert-TP), EP4 and on one
-process. Weights, fp32 masters and Adam moments equal the saved ones bit for bit, the experts are
-stored under their global index as the HF files name them (checked against Megatron's own
-sharded_state_dict), and training continues with the uninterrupted run's losses."""
+"""megatron-core mixture of experts and model families (real megatron-core on CPU, gloo).
+
+- A tiny Qwen3-MoE-shaped GPTModel (4 experts, top-2, q/k norms, SequentialMLP, alltoall
+  dispatcher) saved at EP2×PP2 with the distributed optimizer in bf16, loaded at EP1×TP2 (experts
+  split over expert-TP), TP2×EP2 with expert-TP 1, EP4 and on one process: weights, fp32 masters
+  and Adam moments equal the saved ones bit for bit, the experts are stored under their global
+  index as the HF files name them (checked against Megatron's own sharded_state_dict), and
+  training continues with the uninterrupted run's losses.
+- Exports to transformers (Qwen3-MoE, DeepSeek-V3, Qwen2, Qwen3, Mixtral) with the Megatron
+  model's logits, and imports back at other layouts.
+- A DeepSeek-V3-shaped model (MLA) and a HybridModel reshard.
+"""
 import json
 import math
 import os
@@ -63,9 +69,9 @@ def save_worker(rank, world, root):
     mu.destroy()
 
 
-def load_worker(rank, world, root, tp, pp, ep, distributed):
+def load_worker(rank, world, root, tp, pp, ep, distributed, etp=None):
     import megatron_util as mu
-    mu.init_parallel(tp=tp, pp=pp, ep=ep)
+    mu.init_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
     model = mu.build_gpt(7, dtype=torch.bfloat16, distributed_optimizer=distributed, moe=mu.MOE)
     opt = mu.build_optimizer(model)
     path = os.path.join(root, "ep2pp2")
@@ -105,6 +111,11 @@ def test_moe_reloads_at_ep1_tp2(saved):
 
 def test_moe_reloads_at_ep4(saved):
     run_ranks(4, load_worker, saved, 1, 1, 4, True)
+
+
+def test_moe_reloads_at_tp2_with_ep2_and_expert_tp1(saved):
+    """Expert-TP other than TP: attention split over TP2, experts whole on each of EP2."""
+    run_ranks(4, load_worker, saved, 2, 1, 2, True, 1)
 
 
 def test_moe_reloads_on_one_process(saved):
