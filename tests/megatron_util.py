@@ -116,28 +116,27 @@ def hybrid_stack_spec(config):
 
 
 def transformer_config(hidden=32, ffn=64, layers=4, heads=4, kv_heads=2, dtype=torch.float32, **extra):
+    """The tiny model's TransformerConfig; `extra` adds or overrides fields."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
     import torch.nn.functional as F
 
-    bf16 = dtype == torch.bfloat16
     ps = _ps()
-    if extra.get("num_moe_experts") and ps.get_tensor_model_parallel_world_size() > 1:
-        extra["sequence_parallel"] = True  # megatron refuses to train MoE with TP but without it
-    cls = MLATransformerConfig if extra.get("multi_latent_attention") else TransformerConfig
-    return cls(
-        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(), **extra,
+    fields = dict(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
-        num_query_groups=kv_heads,
-        tensor_model_parallel_size=_ps().get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=_ps().get_pipeline_model_parallel_world_size(),
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16,
+        num_query_groups=kv_heads, tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True, perform_initialization=True, init_method_std=INIT_STD,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
-    )
+        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False)
+    fields.update(extra)
+    if fields.get("num_moe_experts") and ps.get_tensor_model_parallel_world_size() > 1:
+        fields["sequence_parallel"] = True  # megatron refuses to train MoE with TP but without it
+    return (MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig)(**fields)
 
 
 def _ps():

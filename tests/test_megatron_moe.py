@@ -328,3 +328,23 @@ def test_family_exports_from_megatron_with_its_config_and_logits(family, tmp_pat
     with torch.no_grad():
         got = hf(IDS).logits
     torch.testing.assert_close(got, torch.load(os.path.join(root, "logits.pt")), rtol=0, atol=2e-5)
+
+
+def test_megatron_named_tensors_are_listed_or_refused_by_another_framework(tmp_path):
+    """Linear biases (`add_bias_linear`) have no HF Qwen2 counterpart: stored under their Megatron
+    names, an HF model's load lists them with strict=False and names them with strict=True."""
+    import json as js
+    from transformers import AutoConfig, AutoModelForCausalLM
+    root = str(tmp_path)
+    run_ranks(1, family_worker, root, {"add_bias_linear": True})
+    path = os.path.join(root, "megatron")
+    storage, metadata = open_checkpoint(path)
+    biases = sorted(k for k in metadata.tensors if k.startswith("model/decoder.layers."))
+    assert "model/decoder.layers.0.self_attention.linear_proj.bias" in biases
+    assert "model/model.layers.0.self_attn.q_proj.bias" in metadata.tensors  # q/k/v biases: HF names
+    config = js.loads(read_object(storage, metadata, "hf_config", None))
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    with pytest.raises(cp.LoadMismatchError, match="decoder.layers.0.self_attention.linear_proj.bias"):
+        cp.load(path, {"model": hf, "hf_config": cp.Ignore()})
+    result = cp.load(path, {"model": hf, "hf_config": cp.Ignore()}, strict=False)
+    assert sorted(result.unexpected_keys) == biases and not result.missing_keys
