@@ -114,6 +114,10 @@ def _persistent_buffers(module) -> Iterator[Tuple[str, torch.Tensor]]:
                 yield (f"{mname}.{bname}" if mname else bname), buf
 
 
+# HybridModel layer kinds whose fused TP-split projections are not cut into parts (they need TE).
+_UNSPLIT_HYBRID = {"G": "GatedDeltaNet", "D": "DeepSeek sparse attention"}
+
+
 class GPTLayout:
     """Each local parameter's (and persistent buffer's) global Megatron name and segments, over
     all model chunks. `family`: the HF family whose names to use (default: from the config)."""
@@ -122,6 +126,13 @@ class GPTLayout:
         from megatron.core.utils import unwrap_model
 
         ranks = parallel_ranks()
+        for chunk in _chunks(model):
+            pattern = getattr(unwrap_model(chunk), "hybrid_layer_pattern", None) or ""
+            unsplit = sorted(set(pattern) & set(_UNSPLIT_HYBRID))
+            if unsplit and ranks.tp_size > 1:
+                raise NotImplementedError(
+                    f"megatron_ext does not cut the fused TP-split projections of HybridModel "
+                    f"{', '.join(_UNSPLIT_HYBRID[k] for k in unsplit)} layers yet: save this model at TP1")
         self.params: List[Tuple[torch.Tensor, str, List[Segment]]] = []
         self.buffers: List[Tuple[torch.Tensor, str, List[Segment]]] = []
         self.low_precision = False
