@@ -13,60 +13,19 @@ Every rank describes what it holds, from Megatron's own bookkeeping, as views; n
 from __future__ import annotations
 
 import json
-import math
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ckpt_plugins.families.hf_config import ModelConfig, hf_config
+from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, hybrid_layers, megatron_family
+from ckpt_plugins.families.segments import Segment, segment_fragments, zero_padding
 from ckpt_plugins.format import Metadata
-from ckpt_plugins.fragment import Fragment, flat_views, intersect, sub_view
+from ckpt_plugins.fragment import Fragment
 from ckpt_plugins.state import (MASTER, MODEL, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
                                 SaveItems, add_master_sources)
 
-from ckpt_plugins.families.hf_config import ModelConfig, hf_config
-from ckpt_plugins.families.megatron import (Dims, Ranks, Segment, canonical_segments, hybrid_layers,
-                                            megatron_family)
-
-
-def _pieces(segments: Sequence[Segment], local_shape, tensor: torch.Tensor,
-            start: Optional[int]) -> Iterator[Tuple[Segment, torch.Tensor, Tuple[int, ...]]]:
-    """(segment, view, offsets in the segment's tensor) for every part of `tensor` in a segment.
-    `tensor` is shaped like the local parameter, or (start given) 1-D: its elements [start, ...)."""
-    boxes_of = {}
-    for seg in segments:
-        shape = seg.view or tuple(local_shape)
-        if shape not in boxes_of:
-            boxes_of[shape] = ([((0,) * len(shape), shape, tensor.view(shape))] if start is None else
-                               [(offsets, lengths, tensor[begin:begin + math.prod(lengths)].view(lengths))
-                                for (offsets, lengths), begin in flat_views(shape, start, tensor.numel())])
-        for offsets, lengths, view in boxes_of[shape]:
-            inter = intersect((offsets, lengths), seg.local)
-            if inter is None:
-                continue
-            piece = sub_view(view, offsets, inter)
-            rel = [i - l for i, l in zip(inter[0], seg.local[0])]
-            if seg.axes is None:
-                yield seg, piece, tuple(o + r for o, r in zip(seg.offsets, rel))
-                continue
-            rest = [d for d in range(piece.dim()) if d not in seg.axes]
-            piece = piece.permute(*seg.axes, *rest)
-            for _ in rest:  # dimensions of length 1 in the box
-                piece = piece.select(-1, 0)
-            yield seg, piece, tuple(o + rel[a] for o, a in zip(seg.offsets, seg.axes))
-
-
-def segment_fragments(segments: Sequence[Segment], local_shape, tensor: torch.Tensor,
-                      key_of: Callable[[str], str], start: Optional[int] = None) -> List[Fragment]:
-    return [Fragment(key_of(seg.name), seg.shape, view.dtype, at, view)
-            for seg, view, at in _pieces(segments, local_shape, tensor, start) if seg.name is not None]
-
-
-def zero_padding(segments: Sequence[Segment], local_shape, tensor: torch.Tensor, start: Optional[int] = None) -> None:
-    """Padding (padded vocabulary rows) is never stored: a load leaves it zero."""
-    for seg, view, _ in _pieces(segments, local_shape, tensor, start):
-        if seg.name is None:
-            view.zero_()
 
 
 def _chunks(model) -> list:

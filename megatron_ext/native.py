@@ -27,11 +27,11 @@ import torch
 from ckpt_plugins.errors import CorruptCheckpointError, NotACheckpointError, UnsafePathError
 from ckpt_plugins.families.hf_config import HF_CONFIG, ModelConfig, hf_config, model_config
 from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, megatron_family
+from ckpt_plugins.families.segments import segment_pieces
 from ckpt_plugins.foreign import StandIn, load_pickle_restricted, load_torch_inert
 from ckpt_plugins.offline import LazyFragment, write_checkpoint
 from ckpt_plugins.state import MASTER, MODEL, OPTIM
 
-from .gpt import _pieces
 from .training import checkpoint_dir, tracked_iteration
 
 DCP_METADATA = ".metadata"
@@ -139,7 +139,7 @@ def _lazy(key_of, segments, shape, load, start: Optional[int], numel: int, dtype
     that `segments` place in HF tensors. `load()` gives the whole local tensor or the flat range."""
     probe = torch.empty(numel if start is not None else shape, dtype=dtype, device="meta")
     out = []
-    for seg, view, at in _pieces(segments, shape, probe, start):
+    for seg, view, at in segment_pieces(segments, shape, probe, start):
         if seg.name is None:
             continue
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from ckpt_plugins.families.hf_config import ModelConfig, hf_config, model_config
 from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, hybrid_layers, megatron_family
-from megatron_ext.gpt import segment_fragments
+from ckpt_plugins.families.segments import segment_fragments
 
 DIMS = Dims(hidden=16, ffn=24, heads=8, groups=4, head_dim=2, vocab=50)
 

@@ -21,8 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-Shape = Tuple[int, ...]
-Box = Tuple[Shape, Shape]  # (offsets, lengths)
+from .segments import Segment, Shape
 
 
 @dataclass(frozen=True)
@@ -77,20 +76,6 @@ class Ranks:
     ep_size: int = 1
     etp_rank: int = 0
     etp_size: int = 1
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Local sub-box `local` of a local tensor is the box at `offsets` of canonical `name`
-    (global `shape`). `name` None: padding, stored nowhere. `view`: the local tensor seen as this
-    shape (the box is in it); `axes`: canonical dimension k is the view's dimension axes[k], the
-    view's other dimensions have length 1 in the box (None: the same dimensions)."""
-    name: Optional[str]
-    shape: Shape
-    local: Box
-    offsets: Shape
-    view: Optional[Shape] = None
-    axes: Optional[Tuple[int, ...]] = None
 
 
 def megatron_family(*, moe: bool, mla: bool, qk_norm: bool, qkv_bias: bool, shared_experts: bool,
