@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ckpt_plugins.families.hf_config import ModelConfig, hf_config
-from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, hybrid_layers, megatron_family
+from ckpt_plugins.families.megatron import (Dims, Ranks, canonical_segments, hybrid_pairs, megatron_family,
+                                            moe_layers)
 from ckpt_plugins.families.segments import Segment, segment_fragments, zero_padding
 from ckpt_plugins.format import Metadata
 from ckpt_plugins.fragment import Fragment
@@ -40,7 +41,7 @@ def model_dims(gpt, vocab_size: Optional[int] = None, family: Optional[str] = No
     shared = int(getattr(cfg, "moe_shared_expert_intermediate_size", None) or 0)
     mla = bool(getattr(cfg, "multi_latent_attention", False))
     pattern = getattr(gpt, "hybrid_layer_pattern", None)
-    if pattern is not None and hybrid_layers(pattern) is None:
+    if pattern is not None and hybrid_pairs(pattern) is None:
         family = "megatron"
     family = family or megatron_family(
         moe=bool(experts), mla=mla, qk_norm=bool(cfg.qk_layernorm), shared_experts=bool(shared),
@@ -85,26 +86,26 @@ class GPTLayout:
         from megatron.core.utils import unwrap_model
 
         ranks = parallel_ranks()
-        for chunk in _chunks(model):
-            pattern = getattr(unwrap_model(chunk), "hybrid_layer_pattern", None) or ""
-            unsplit = sorted(set(pattern) & set(_UNSPLIT_HYBRID))
-            if unsplit and ranks.tp_size > 1:
-                raise NotImplementedError(
-                    f"megatron_ext does not cut the fused TP-split projections of HybridModel "
-                    f"{', '.join(_UNSPLIT_HYBRID[k] for k in unsplit)} layers yet: save this model at TP1")
         self.params: List[Tuple[torch.Tensor, str, List[Segment]]] = []
         self.buffers: List[Tuple[torch.Tensor, str, List[Segment]]] = []
         self.low_precision = False
         for chunk in _chunks(model):
             gpt = unwrap_model(chunk)
+            pattern = getattr(gpt, "hybrid_layer_pattern", None)
+            unsplit = sorted(set(pattern or "") & set(_UNSPLIT_HYBRID))
+            if unsplit and ranks.tp_size > 1:
+                raise NotImplementedError(
+                    f"megatron_ext does not cut the fused TP-split projections of HybridModel "
+                    f"{', '.join(_UNSPLIT_HYBRID[k] for k in unsplit)} layers yet: save this model at TP1")
+            paired = pattern is not None and hybrid_pairs(pattern) is not None
             dims = model_dims(gpt, vocab_size, family)
             self.low_precision |= bool(gpt.config.bf16 or gpt.config.fp16)
             for local, p in gpt.named_parameters():
-                name = _global_name(gpt, local)
+                name = _global_name(gpt, local, paired)
                 dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
                 self.params.append((p, name, canonical_segments(name, tuple(p.shape), dims, ranks, dim)))
             for local, b in _persistent_buffers(gpt):
-                name = _global_name(gpt, local)
+                name = _global_name(gpt, local, paired)
                 self.buffers.append((b, name, canonical_segments(name, tuple(b.shape), dims, ranks)))
         self.by_id = {id(p): (name, segs) for p, name, segs in self.params}
 
@@ -125,14 +126,13 @@ class GPTLayout:
         return ParamLayout(names, shapes, lambda t, key_of: segment_fragments(segs, shape, t, key_of, start))
 
 
-def _global_name(gpt, local: str) -> str:
+def _global_name(gpt, local: str, paired: bool = False) -> str:
     """`decoder.layers.<i>.…` with the global layer index (layer_number is global and 1-based);
-    a HybridModel's attention + MLP pairs are numbered as the GPT layers they form."""
+    `paired`: a HybridModel of attention + MLP pairs, numbered as the GPT layers they form."""
     parts = local.split(".")
     if parts[:2] == ["decoder", "layers"]:
         index = gpt.decoder.layers[int(parts[2])].layer_number - 1
-        pairs = hybrid_layers(gpt.hybrid_layer_pattern) if hasattr(gpt, "hybrid_layer_pattern") else None
-        parts[2] = str(pairs[index] if pairs else index)
+        parts[2] = str(index // 2 if paired else index)
     return ".".join(parts)
 
 
@@ -272,20 +272,15 @@ def hf_config_json(model, vocab_size: Optional[int] = None, family: Optional[str
     if dims.family == "megatron":
         return None
     pattern = getattr(gpt, "hybrid_layer_pattern", None)
-    if pattern is not None:  # attention + MLP/MoE pairs
-        main = pattern.split("/")[0].replace("|", "")
-        moe_layers = [kind == "E" for kind in main[1::2]]
-    else:
-        freq = cfg.moe_layer_freq
-        moe_layers = [bool(x) for x in freq] if isinstance(freq, list) else [i % freq == 0 for i in range(cfg.num_layers)]
+    moe = hybrid_pairs(pattern) if pattern is not None else moe_layers(cfg.moe_layer_freq, cfg.num_layers)
     mla = {}
     if dims.mla:
         mla = dict(q_lora_rank=cfg.q_lora_rank or 0, kv_lora_rank=cfg.kv_lora_rank, qk_nope_dim=cfg.qk_head_dim,
                    qk_rope_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim)
-    m = ModelConfig(dims=dims, layers=len(moe_layers), norm_eps=cfg.layernorm_epsilon,
+    m = ModelConfig(dims=dims, layers=len(moe), norm_eps=cfg.layernorm_epsilon,
                     rope_theta=float(getattr(gpt, "rotary_base", 10000)), max_positions=gpt.max_sequence_length,
                     dtype=str(cfg.params_dtype).replace("torch.", ""), topk=cfg.moe_router_topk or 0,
-                    dense_layers=tuple(i for i, moe in enumerate(moe_layers) if not moe) if dims.experts else (),
+                    dense_layers=tuple(i for i, m in enumerate(moe) if not m) if dims.experts else (),
                     norm_topk=not cfg.moe_router_pre_softmax,
                     routed_scaling=float(cfg.moe_router_topk_scaling_factor or 1.0), **mla)
     return json.dumps(hf_config(m), indent=2)

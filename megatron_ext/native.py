@@ -26,7 +26,7 @@ import torch
 
 from ckpt_plugins.errors import CorruptCheckpointError, NotACheckpointError, UnsafePathError
 from ckpt_plugins.families.hf_config import HF_CONFIG, ModelConfig, hf_config, model_config
-from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, megatron_family
+from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, megatron_family, moe_layers
 from ckpt_plugins.families.segments import segment_pieces
 from ckpt_plugins.foreign import StandIn, load_pickle_restricted, load_torch_inert
 from ckpt_plugins.offline import LazyFragment, write_checkpoint
@@ -310,8 +310,7 @@ def resolve(directory: str) -> str:
 
 def _args_config(args, dims: Dims) -> ModelConfig:
     """The run's sizes for the imported checkpoint's config.json."""
-    freq = getattr(args, "moe_layer_freq", 1)
-    moe = [bool(x) for x in freq] if isinstance(freq, list) else [i % freq == 0 for i in range(args.num_layers)]
+    moe = moe_layers(getattr(args, "moe_layer_freq", 1), args.num_layers)
     eps = getattr(args, "layernorm_epsilon", None) or getattr(args, "norm_epsilon", None) or 1e-5
     return ModelConfig(dims=dims, layers=args.num_layers, norm_eps=eps,
                        rope_theta=float(getattr(args, "rotary_base", 10000)),

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from ckpt_plugins.families.hf_config import ModelConfig, hf_config, model_config
-from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, hybrid_layers, megatron_family
+from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, hybrid_pairs, megatron_family, moe_layers
 from ckpt_plugins.families.segments import segment_fragments
 
 DIMS = Dims(hidden=16, ffn=24, heads=8, groups=4, head_dim=2, vocab=50)
@@ -260,10 +260,11 @@ def test_megatron_names_are_the_names_transformers_save_pretrained_writes(family
     assert ours == saved
 
 
-def test_hybrid_patterns_of_attention_and_mlp_pairs_number_as_gpt_layers():
-    assert hybrid_layers("*-*E") == [0, 0, 1, 1]
-    assert hybrid_layers("*-|*E/*-") == [0, 0, 1, 1]  # a pipeline cut; an MTP section is no decoder layer
-    assert hybrid_layers("M*-M") is None and hybrid_layers("*--") is None and hybrid_layers("-*") is None
+def test_hybrid_pair_patterns_and_moe_layer_frequencies():
+    assert hybrid_pairs("*-*E") == [False, True]  # HF layer 0 dense, 1 MoE
+    assert hybrid_pairs("*-|*E/*-") == [False, True]  # a pipeline cut; an MTP section is no decoder layer
+    assert hybrid_pairs("M*-M") is None and hybrid_pairs("*--") is None and hybrid_pairs("-*") is None
+    assert moe_layers([0, 1, 1], 3) == [False, True, True] and moe_layers(2, 4) == [True, False, True, False]
 
 
 def test_mamba_mixer_fused_projections_reassemble_at_every_tp():

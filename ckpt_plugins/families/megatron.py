@@ -94,14 +94,20 @@ def megatron_family(*, moe: bool, mla: bool, qk_norm: bool, qkv_bias: bool, shar
     return "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
 
 
-def hybrid_layers(pattern: str) -> Optional[List[int]]:
-    """The HF layer index of each layer of a HybridModel pattern made of attention + MLP/MoE pairs
-    (`*-*E`: HF layers 0, 0, 1, 1); None for any other pattern (Mamba, unpaired layers), whose
-    layers keep Megatron names. Pipeline separators `|` and multi-token-prediction sections are
-    not decoder layers."""
+def hybrid_pairs(pattern: str) -> Optional[List[bool]]:
+    """For a HybridModel pattern made of attention + MLP/MoE pairs (`*-*E`), whether each pair, the
+    GPT/HF layer it forms (hybrid layer i is HF layer i // 2), has a MoE MLP: [False, True]. None
+    for any other pattern (Mamba, unpaired layers), whose layers keep Megatron names. Pipeline
+    separators `|` and multi-token-prediction sections are not decoder layers."""
     main = pattern.split("/")[0].replace("|", "")
     pairs = len(main) % 2 == 0 and all(a == "*" and b in "-E" for a, b in zip(main[0::2], main[1::2]))
-    return [i // 2 for i in range(len(main))] if pairs else None
+    return [kind == "E" for kind in main[1::2]] if pairs else None
+
+
+def moe_layers(freq, layers: int) -> List[bool]:
+    """Which of a GPT model's layers are MoE, from megatron's `moe_layer_freq` (a list of 0/1 per
+    layer, or every freq-th layer)."""
+    return [bool(x) for x in freq] if isinstance(freq, list) else [i % freq == 0 for i in range(layers)]
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")

@@ -13,10 +13,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..fragment import Fragment, flat_views, intersect, sub_view
-
-Shape = Tuple[int, ...]
-Box = Tuple[Shape, Shape]  # (offsets, lengths)
+from ..fragment import Box, Fragment, Shape, flat_views, intersect, sub_view
 
 
 @dataclass(frozen=True)
