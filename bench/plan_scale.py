@@ -23,7 +23,7 @@ import tracemalloc
 
 from ckpt_plugins.format import decode_metadata
 from ckpt_plugins.fragment import flat_views
-from ckpt_plugins.plan import TensorSpec, assign_transfers, plan_load, plan_save, read_request, runs_of, spec_parts
+from ckpt_plugins.plan import TensorSpec, assign_transfers, plan_load, plan_save, read_request, runs_of, spec_runs
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 8192, 28672, 80, 64, 8, 32000
 TP, PP = 8, 8
@@ -151,13 +151,13 @@ LAYOUTS = {"llama70b": (llama_layout, (1024, 8192), (2.0, 2.0, 1024)),
 
 def run(layout, world: int) -> dict:
     coords, templates = layout(world)
-    parts = {c: spec_parts(s) for c, s in templates.items()}  # each rank computes its own
-    # what the coordinator receives: one (specs, parts) per rank
+    runs = {c: spec_runs(s) for c, s in templates.items()}  # each rank computes its own
+    # what the coordinator receives: one (specs, runs) per rank
     gathered = [templates[c] for c in coords]
-    rank_parts = [parts[c] for c in coords]
+    rank_runs = [runs[c] for c in coords]
 
     def save_plan():
-        return plan_save(gathered, files_per_rank=2, digests=rank_parts)
+        return plan_save(gathered, files_per_rank=2, digests=rank_runs)
 
     def local_plan(c):  # what one rank does for itself: its reads and their runs
         reads = plan_load(plan.metadata, templates[c]).reads

@@ -100,22 +100,22 @@ def runs_of(keys: Sequence[str], items: Sequence) -> List[Tuple[bytes, int]]:
     return out
 
 
-def spec_parts(specs: Sequence[TensorSpec]) -> List[Tuple[bytes, int]]:
+def spec_runs(specs: Sequence[TensorSpec]) -> List[Tuple[bytes, int]]:
     return runs_of([s.key for s in specs], specs)
 
 
-def _runs(specs: Sequence[TensorSpec], digest) -> List[Tuple[object, int, int]]:
-    """(identity, start, end) of the runs a rank's spec list is planned in."""
+def _runs(items: Sequence, digest) -> List[Tuple[object, int, int]]:
+    """(identity, start, end) of the runs a rank's specs or read requests are planned in."""
     if digest is None:
-        return [(tuple(specs), 0, len(specs))]
+        return [(tuple(items), 0, len(items))]
     if isinstance(digest, bytes):
-        return [(digest, 0, len(specs))]
+        return [(digest, 0, len(items))]
     out, at = [], 0
     for d, n in digest:
         out.append((d, at, at + n))
         at += n
-    if at != len(specs):
-        raise ValueError(f"spec digests cover {at} of {len(specs)} specs")
+    if at != len(items):
+        raise ValueError(f"run digests cover {at} of {len(items)} items")
     return out
 
 
@@ -124,7 +124,7 @@ def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
               aliases: Optional[Dict[str, str]] = None, digests: Optional[Sequence] = None) -> SavePlan:
     """Build the global save plan from every rank's tensor specs (index = rank).
 
-    `digests[rank]`: the digest of the rank's whole spec list, or its `spec_parts`. Runs several
+    `digests[rank]`: the digest of the rank's whole spec list, or its `spec_runs`. Runs several
     ranks hold alike (data-parallel replicas) are validated once; each distinct box goes to the
     least-loaded rank holding it, biggest boxes first.
     """

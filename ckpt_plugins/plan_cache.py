@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from .coordinator import Coordinator
 from .errors import SaveError
 from .failure import RankFailure, failure_error
-from .plan import SavePlan, TensorSpec, WriteItem, plan_save, spec_parts
+from .plan import SavePlan, TensorSpec, WriteItem, plan_save, spec_runs
 
 
 @dataclass
@@ -27,7 +27,7 @@ class PlanRequest:
     """What one rank tells the coordinator when some rank's cached plan is stale."""
     specs: List[TensorSpec]
     aliases: Dict[str, str]
-    parts: List[Tuple[bytes, int]]  # spec_parts(specs): runs DP replicas hold alike are planned once
+    runs: List[Tuple[bytes, int]]  # spec_runs(specs): runs DP replicas hold alike are planned once
 
 
 @dataclass
@@ -49,8 +49,8 @@ class PlanCache:
         """(this rank's plan, whether it was cached). Every rank's `failure` reaches every rank
         as one SaveError. `meanwhile(cached)` runs while the ranks agree, when this rank's own
         cached plan holds (the caller may start copying with it)."""
-        parts = spec_parts(specs)
-        key = hashlib.sha256(pickle.dumps((parts, sorted(aliases.items()), self.files_per_rank))).digest()
+        runs = spec_runs(specs)
+        key = hashlib.sha256(pickle.dumps((runs, sorted(aliases.items()), self.files_per_rank))).digest()
         stale = self.cached is None or self.cached.key != key
         run = None
         if meanwhile is not None and not stale and failure is None:
@@ -61,13 +61,13 @@ class PlanCache:
             coord.agree(failure, what=what, then=then, default=SaveError)
         if not any_stale:
             return self.cached, True
-        gathered: List[PlanRequest] = coord.gather(PlanRequest(specs, aliases, parts))
+        gathered: List[PlanRequest] = coord.gather(PlanRequest(specs, aliases, runs))
         replies = None
         if coord.is_coordinator:
             try:
                 plan = plan_save([g.specs for g in gathered], files_per_rank=self.files_per_rank,
                                  aliases={k: v for g in gathered for k, v in g.aliases.items()},
-                                 digests=[g.parts for g in gathered])
+                                 digests=[g.runs for g in gathered])
                 replies = [PlanReply(None, w, plan.balance) for w in plan.writes]
             except Exception as exc:
                 replies = [PlanReply(RankFailure.of(coord.rank, exc), [])] * coord.world_size

@@ -2,7 +2,7 @@
 import pytest
 
 from ckpt_plugins.errors import LoadMismatchError
-from ckpt_plugins.plan import TensorSpec, plan_load, plan_save, spec_parts
+from ckpt_plugins.plan import TensorSpec, plan_load, plan_save, spec_runs
 
 
 def spec(key, shape, offsets=None, lengths=None, dtype="float32"):
@@ -22,14 +22,14 @@ def test_replicated_boxes_are_written_once_and_balanced():
 
 def test_runs_replicas_hold_alike_are_planned_once_with_the_same_plan():
     """Data-parallel replicas: the same weights, each its own optimizer shard. Planned by runs
-    (`spec_parts`: the weights once), the plan is the one planned spec by spec."""
+    (`spec_runs`: the weights once), the plan is the one planned spec by spec."""
     weights = [spec(f"model/w{i}", (64, 48 + i)) for i in range(5)]
     ranks = [weights + [spec("optim/w0/exp_avg", (64, 48), (16 * r, 0), (16, 48)),
                         spec("optim/w1/exp_avg", (64, 49), (16 * r, 0), (16, 49))] for r in range(4)]
     ranks[3] = ranks[3][:-1] + [spec("optim/w1/exp_avg", (64, 49), (48, 0), (16, 49)), spec("optim/b", (3,))]
-    parts = [spec_parts(r) for r in ranks]
-    assert [n for _, n in parts[0]] == [5, 2] and len({p[0] for p in parts}) == 1 and len({p[1] for p in parts}) == 4
-    by_runs, by_specs = plan_save(ranks, 2, digests=parts), plan_save(ranks, 2)
+    runs = [spec_runs(r) for r in ranks]
+    assert [n for _, n in runs[0]] == [5, 2] and len({r[0] for r in runs}) == 1 and len({r[1] for r in runs}) == 4
+    by_runs, by_specs = plan_save(ranks, 2, digests=runs), plan_save(ranks, 2)
     assert by_runs.metadata == by_specs.metadata and by_runs.writes == by_specs.writes
     assert sum(len(w) for w in by_runs.writes) == 5 + 4 * 2 + 1  # every weight once
 
