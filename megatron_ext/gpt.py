@@ -78,6 +78,15 @@ def _persistent_buffers(module) -> Iterator[Tuple[str, torch.Tensor]]:
 _UNSPLIT_HYBRID = {"G": "GatedDeltaNet", "D": "DeepSeek sparse attention"}
 
 
+def _unsplit(gpt) -> List[str]:
+    """The model's layers whose fused TP-split projections (qkv, SwiGLU fc1, ...) keep Megatron
+    names without being cut into parts: stored whole at TP1 they reshard, split over TP they would
+    not. Multi-token-prediction layers are outside `decoder.layers`, where the cutting happens."""
+    pattern = getattr(gpt, "hybrid_layer_pattern", None) or ""
+    kinds = [f"HybridModel {_UNSPLIT_HYBRID[k]}" for k in sorted(set(pattern) & set(_UNSPLIT_HYBRID))]
+    return kinds + (["multi-token prediction"] if getattr(gpt, "mtp_process", False) else [])
+
+
 class GPTLayout:
     """Each local parameter's (and persistent buffer's) global Megatron name and segments, over
     all model chunks. `family`: the HF family whose names to use (default: from the config)."""
@@ -91,12 +100,11 @@ class GPTLayout:
         self.low_precision = False
         for chunk in _chunks(model):
             gpt = unwrap_model(chunk)
+            unsplit = _unsplit(gpt)
+            if unsplit and max(ranks.tp_size, ranks.etp_size) > 1:
+                raise NotImplementedError(f"megatron_ext does not cut the fused TP-split projections of "
+                                          f"{', '.join(unsplit)} layers yet: save and load this model at TP1")
             pattern = getattr(gpt, "hybrid_layer_pattern", None)
-            unsplit = sorted(set(pattern or "") & set(_UNSPLIT_HYBRID))
-            if unsplit and ranks.tp_size > 1:
-                raise NotImplementedError(
-                    f"megatron_ext does not cut the fused TP-split projections of HybridModel "
-                    f"{', '.join(_UNSPLIT_HYBRID[k] for k in unsplit)} layers yet: save this model at TP1")
             paired = pattern is not None and hybrid_pairs(pattern) is not None
             dims = model_dims(gpt, vocab_size, family)
             self.low_precision |= bool(gpt.config.bf16 or gpt.config.fp16)
