@@ -6,7 +6,8 @@ from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpoi
 from .manager import CheckpointManager
 from .fragment import Fragment, box_fragment, flat_fragments, flat_range_boxes
 from .rng import RNGState, rng_state, set_rng_state
-from .state import Handler, Ignore, LoadItems, PerRank, SaveItems, register_handler, tensor_fragments
+from .state import Handler, Ignore, LoadItems, PerRank, SaveItems, register_handler
+from .tensor_map import tensor_fragments
 
 __all__ = [
     "save", "load", "read_metadata", "is_checkpoint", "checkpointer", "Checkpointer", "CheckpointManager", "SaveInfo", "SaveHandle", "LoadResult",

@@ -7,9 +7,7 @@ Framework extensions add their own `Handler` subclasses and pass them as state v
 """
 from __future__ import annotations
 
-import functools
 import logging
-import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
@@ -19,8 +17,9 @@ from torch import nn
 
 from .errors import LoadMismatchError
 from .format import Metadata
-from .fragment import FlatPiece, Fragment, box_fragment, piece_fragments
+from .fragment import FlatPiece, Fragment
 from .hostmem import advise_huge_pages
+from .tensor_map import IDENTITY, TensorMap, is_dtensor, tensor_fragments, tensor_map
 
 log = logging.getLogger(__name__)
 
@@ -112,46 +111,6 @@ class Ignore(Handler):
 # ------------------------------------------------------------------ tensors
 
 
-def is_dtensor(tensor: Any) -> bool:
-    """Whether `tensor` is a DTensor. Without importing torch.distributed.tensor (about 1 s, paid
-    by every tool otherwise): until something imports it, no tensor can be one."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
-
-
-@functools.lru_cache(maxsize=None)
-def _dtensor_box(shape: torch.Size, mesh, placements) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-    """This rank's (local shape, global offsets) of a DTensor layout. Cached: it is the same at
-    every save, and recomputing it for every tensor was most of a cached save's planning time."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    for placement in placements:
-        if type(placement) not in (Shard, Replicate):
-            raise ValueError(f"DTensor placement {placement} is not supported; only Shard(dim) and "
-                             "Replicate() are")
-    local_shape, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
-    return tuple(local_shape), tuple(offsets)
-
-
-def tensor_fragments(key: str, tensor: torch.Tensor) -> List[Fragment]:
-    """The fragment of a plain tensor (whole, replicated) or of a DTensor's local shard."""
-    if not is_dtensor(tensor):
-        tensor = tensor.detach()
-        return [Fragment(key, tuple(tensor.shape), tensor.dtype, (0,) * tensor.dim(), tensor)]
-    try:
-        shape, offsets = _dtensor_box(tensor.shape, tensor.device_mesh, tuple(tensor.placements))
-    except ValueError as exc:
-        raise ValueError(f"{key}: {exc}") from None
-    # the local shard itself: DTensor.to_local()/detach() dispatch through autograd, ~10x slower
-    local = tensor._local_tensor.detach()
-    for d, n in enumerate(shape):  # uneven shards may carry padding past the real extent
-        if local.shape[d] != n:
-            local = local.narrow(d, 0, n)
-    frag = box_fragment(key, tuple(tensor.shape), offsets, local)
-    return [frag] if frag is not None else [Fragment(key, tuple(tensor.shape), tensor.dtype,
-                                                     tuple(offsets), local)]
-
-
 def canonical_name(name: str) -> str:
     """A module's parameter name without wrapper components."""
     return ".".join(p for p in name.split(".") if p not in WRAPPER_COMPONENTS)
@@ -173,16 +132,18 @@ def _storage_id(tensor: torch.Tensor):
 
 
 class ModuleHandler(Handler):
-    """An nn.Module's state_dict under canonical names; tied tensors are stored once."""
+    """An nn.Module's state_dict under canonical names (through the model's `TensorMap`); tied
+    tensors are stored once."""
 
     def __init__(self, module: nn.Module):
         self.module = unwrap(module)
+        self.map = tensor_map(self.module)
 
     def named_tensors(self) -> Dict[str, torch.Tensor]:
         return {canonical_name(k): v for k, v in self.module.state_dict().items()}
 
     def param_layouts(self) -> Dict[int, "ParamLayout"]:
-        return {id(p): plain_layout(canonical_name(n), p) for n, p in self.module.named_parameters()}
+        return {id(p): plain_layout(canonical_name(n), p, self.map) for n, p in self.module.named_parameters()}
 
     def _split_tied(self, prefix: str):
         first: Dict[Any, str] = {}
@@ -194,20 +155,20 @@ class ModuleHandler(Handler):
                 aliases[key] = first[sid]
             else:
                 first.setdefault(sid, key)
-                own[key] = tensor
+                own[name] = tensor
         return own, aliases
+
+    def _fragments(self, prefix: str, own: Dict[str, torch.Tensor]) -> List[Fragment]:
+        key_of = lambda n: f"{prefix}/{n}"  # noqa: E731
+        return [f for name, tensor in own.items() for f in self.map.fragments(name, tensor, key_of)]
 
     def save_items(self, prefix: str) -> SaveItems:
         own, aliases = self._split_tied(prefix)
-        items = SaveItems(aliases=aliases)
-        for key, tensor in own.items():
-            items.fragments += tensor_fragments(key, tensor)
-        return items
+        return SaveItems(fragments=self._fragments(prefix, own), aliases=aliases)
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         own, aliases = self._split_tied(prefix)
-        frags = [f for key, tensor in own.items() for f in tensor_fragments(key, tensor)]
-        return LoadItems(fragments=add_master_sources(prefix, frags), accepted=set(aliases))
+        return LoadItems(fragments=add_master_sources(prefix, self._fragments(prefix, own)), accepted=set(aliases))
 
 
 # ------------------------------------------------------------------ optimizers
@@ -228,15 +189,21 @@ class ParamLayout:
     fragments: Callable[[torch.Tensor, Callable[[str], str]], List[Fragment]]
 
 
-def flat_layout(names: Tuple[str, ...], shapes: Tuple[Tuple[int, ...], ...], pieces: List[FlatPiece]) -> ParamLayout:
-    """A flat buffer packing pieces of the canonical parameters `names` (a ZeRO partition, an
-    FSDP1 flat parameter's shard)."""
-    return ParamLayout(names, shapes, lambda t, key_of: piece_fragments(pieces, t, key_of))
+def _stored(tmap: TensorMap, names: Sequence[str], shapes: Sequence[Sequence[int]]):
+    stored = [entry for name, shape in zip(names, shapes) for entry in tmap.names(name, shape)]
+    return tuple(n for n, _ in stored), tuple(s for _, s in stored)
 
 
-def plain_layout(name: str, param: torch.Tensor) -> ParamLayout:
-    """A parameter that is one canonical tensor, whole or as a DTensor shard."""
-    return ParamLayout((name,), (tuple(param.shape),), lambda t, key_of: tensor_fragments(key_of(name), t))
+def flat_layout(names: Sequence[str], shapes: Sequence[Sequence[int]], pieces: List[FlatPiece],
+                tmap: TensorMap = IDENTITY) -> ParamLayout:
+    """A flat buffer packing pieces of the parameters `names` (a ZeRO partition, an FSDP1 flat
+    parameter's shard or one parameter's 1-D piece of it), stored as `tmap` says."""
+    return ParamLayout(*_stored(tmap, names, shapes), lambda t, key_of: tmap.piece_fragments(pieces, t.reshape(-1), key_of))
+
+
+def plain_layout(name: str, param: torch.Tensor, tmap: TensorMap = IDENTITY) -> ParamLayout:
+    """A parameter, whole or as a DTensor shard, stored as `tmap` says."""
+    return ParamLayout(*_stored(tmap, [name], [param.shape]), lambda t, key_of: tmap.fragments(name, t, key_of))
 
 
 def _param_shaped(value: Any, param: torch.Tensor) -> bool:
@@ -252,11 +219,16 @@ class OptimizerHandler(Handler):
     """
 
     def __init__(self, optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
-                 layouts: Dict[int, ParamLayout], groups: Optional[List[Tuple[dict, List[torch.Tensor]]]] = None):
+                 layouts: Dict[int, ParamLayout], groups: Optional[List[Tuple[dict, List[torch.Tensor]]]] = None,
+                 layout_keys: Sequence[str] = ()):
         """`optimizer`: one, or several stepping disjoint parameters (Megatron's chained dense and
         expert optimizers) whose groups are then one list. `groups`: (param group, its parameters)
         when one optimizer's own `params` lists are not filled at checkpoint time (DeepSpeed ZeRO-3
-        fills them only around its step)."""
+        fills them only around its step). `layout_keys`: param-group keys that say how the
+        framework runs a group's parameters (which optimizer or partition group steps an expert at
+        this EP size), not how they are stepped: never saved (groups then equal are saved as one)
+        and never overwritten by a load, so a checkpoint's groups fit any layout."""
+        self.layout_keys = tuple(layout_keys)
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         self.groups = groups if groups is not None else [(g, list(g["params"])) for o in optimizers
                                                          for g in o.param_groups]
@@ -287,10 +259,9 @@ class OptimizerHandler(Handler):
                         items.fragments += tensor_fragments(key_of(name), value)
                 else:
                     items.objects.update((key_of(name), value) for name in layout.names)
-        items.objects[f"{prefix}/param_groups"] = [
-            {**{k: v for k, v in g.items() if k != "params"},
-             "params": [n for p in params for n in self.layouts[id(p)].names]}
-            for g, params in self.groups]
+        items.objects[f"{prefix}/param_groups"] = saved_groups(
+            [{**g, "params": [n for p in params for n in self.layouts[id(p)].names]} for g, params in self.groups],
+            self.layout_keys)
         return items
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
@@ -341,7 +312,17 @@ class OptimizerHandler(Handler):
             if sources:
                 saved = by_param[next(n for n in names if n in by_param)]
                 group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v)
-                              for k, v in saved.items() if k != "params"})
+                              for k, v in saved.items() if k != "params" and k not in self.layout_keys})
+
+
+def saved_groups(groups: List[dict], layout_keys: Sequence[str]) -> List[dict]:
+    """Param groups (their `params` by name) as a checkpoint stores them: without the layout keys
+    (see OptimizerHandler), groups then equal merged."""
+    merged: Dict[str, dict] = {}
+    for g in groups:
+        rest = {k: v for k, v in g.items() if k != "params" and k not in layout_keys}
+        merged.setdefault(repr(sorted(rest.items())), {**rest, "params": []})["params"] += g["params"]
+    return list(merged.values())
 
 
 def _allocate(param: torch.Tensor, layout: ParamLayout, meta) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """DeepSpeed engine state as fragments: ZeRO stages 0-3, fp32 or bf16 with fp32 masters.
 
 Each rank describes what it holds, straight from DeepSpeed's own bookkeeping, under the model's
-canonical (HF) parameter names; nothing is gathered:
+canonical (HF) parameter names (fused MoE experts per expert, through the model's `TensorMap`);
+nothing is gathered:
 - weights (`model/<name>`) in the training dtype: whole on every rank for stages 0-2 (written once
   by the save plan), the rank's flat partition `param.ds_tensor` for stage 3;
 - fp32 masters (`optim/<name>/master`, only when training in bf16/fp16) and optimizer state
@@ -13,16 +14,28 @@ per flat partition, so they are stored per canonical parameter like every other 
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ckpt_plugins.format import Metadata
-from ckpt_plugins.fragment import FlatPiece, Fragment, flat_fragments
+from ckpt_plugins.fragment import FlatPiece, Fragment
 from ckpt_plugins.state import (MASTER, MODEL, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
-                                SaveItems, add_master_sources, canonical_name, flat_layout, plain_layout,
-                                tensor_fragments)
+                                SaveItems, add_master_sources, canonical_name, flat_layout, plain_layout)
+from ckpt_plugins.tensor_map import TensorMap, tensor_map
+
+from .autoep import autoep_segments, placements
+
+
+def model_map(module) -> TensorMap:
+    """How the engine's model is stored: AutoEP's grouped experts and router under the family's
+    per-expert names, else as the model's own map says."""
+    found = placements(module)
+    if not found:
+        return tensor_map(module)
+    return TensorMap(functools.partial(autoep_segments, getattr(module.config, "model_type", None), found))
 
 
 def _stage3_range(param) -> Tuple[int, int]:
@@ -39,12 +52,15 @@ class ZeroState:
         self.engine = engine
         self.stage = engine.zero_optimization_stage()
         module = engine.module
+        self.map = model_map(module)
         self.names = {id(p): canonical_name(n) for n, p in module.named_parameters()}
         self.aliases: Dict[str, str] = {}
         first: Dict[int, str] = {}
         for n, p in module.named_parameters(remove_duplicate=False):
             name = canonical_name(n)
-            if id(p) in first and first[id(p)] != name:
+            if id(p) in first and first[id(p)] != name and \
+                    self.map.names(name, getattr(p, "ds_shape", p.shape)) != \
+                    self.map.names(first[id(p)], getattr(p, "ds_shape", p.shape)):  # AutoEP's gate.gate
                 self.aliases[name] = first[id(p)]
             first.setdefault(id(p), name)
         self.params = [(self.names[id(p)], p) for p in dict.fromkeys(p for _, p in module.named_parameters())]
@@ -69,20 +85,25 @@ class ZeroState:
                 and not hasattr(wrapper, "fp32_groups_flat"):  # FP16_UnfusedOptimizer: stage 0, bf16/fp16
             for lp_group, hp_group in zip(wrapper.fp16_groups, wrapper.fp32_groups):
                 for lp, hp in zip(lp_group, hp_group):  # one whole fp32 copy per parameter
-                    self.layouts[id(hp)] = plain_layout(self.names[id(lp)], hp)
+                    self.layouts[id(hp)] = plain_layout(self.names[id(lp)], hp, self.map)
                     self.masters.append(hp)
         elif isinstance(wrapper, torch.optim.Optimizer) and self.base is None:
             # stage 0, fp32: DeepSpeed steps the client optimizer on the parameters themselves
             self.base = wrapper
-            self.layouts = {id(p): plain_layout(name, p) for name, p in self.params}
+            self.layouts = {id(p): plain_layout(name, p, self.map) for name, p in self.params}
         else:
             raise NotImplementedError(f"deepspeed_ext cannot map DeepSpeed's {type(wrapper).__name__} (the fused "
                                       "FP16_Optimizer needs FusedAdam); use ZeRO stage 1-3 or a torch optimizer")
 
+    def optimizer_handler(self) -> OptimizerHandler:
+        # MoE groups (AutoEP's experts) carry the expert-data-parallel group's name: EP-size layout
+        moe = any(g.get("moe") for g in self.base.param_groups)
+        return OptimizerHandler(self.base, self.layouts, self.groups, layout_keys=("moe", "name") if moe else ())
+
     def _group_layout(self, params, pieces: List[FlatPiece]) -> ParamLayout:
         names = tuple(self.names[id(p)] for p in params)
         shapes = tuple(tuple(getattr(p, "ds_shape", p.shape)) for p in params)
-        return flat_layout(names, shapes, pieces)
+        return flat_layout(names, shapes, pieces, self.map)
 
     def _hp_mapped(self, lp_groups, flat_partitions) -> None:
         for params, flat in zip(lp_groups, flat_partitions):
@@ -109,16 +130,17 @@ class ZeroState:
     # ---------------------------------------------------------------- fragments
 
     def weight_fragments(self, prefix: str) -> List[Fragment]:
+        key_of = lambda n: f"{prefix}/{n}"  # noqa: E731
         frags: List[Fragment] = []
         for name, p in self.params:
-            key = f"{prefix}/{name}"
             if self.stage == 3:
                 start, numel = _stage3_range(p)
-                frags += flat_fragments(key, tuple(p.ds_shape), p.ds_tensor.detach()[:numel], start)
+                frags += self.map.piece_fragments([FlatPiece(name, tuple(p.ds_shape), 0, numel, start)],
+                                                  p.ds_tensor.detach(), key_of)
             else:
-                frags += tensor_fragments(key, p)
+                frags += self.map.fragments(name, p, key_of)
         for name, b in self.buffers.items():
-            frags += tensor_fragments(f"{prefix}/{name}", b)
+            frags += self.map.fragments(name, b, key_of)
         return frags
 
     def master_fragments(self, prefix: str) -> List[Fragment]:
@@ -163,7 +185,7 @@ class DeepSpeedOptimizer(Handler):
 
     def save_items(self, prefix: str) -> SaveItems:
         zero = ZeroState(self.engine)
-        items = OptimizerHandler(zero.base, zero.layouts, zero.groups).save_items(prefix)
+        items = zero.optimizer_handler().save_items(prefix)
         if zero.low_precision:
             items.fragments += zero.master_fragments(prefix)
         return items
@@ -171,7 +193,7 @@ class DeepSpeedOptimizer(Handler):
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         zero = ZeroState(self.engine)
         if self.optimizer_state:
-            items = OptimizerHandler(zero.base, zero.layouts, zero.groups).load_items(prefix, metadata)
+            items = zero.optimizer_handler().load_items(prefix, metadata)
         else:
             items = Ignore().load_items(prefix, metadata)
         for frag in zero.master_fragments(prefix):

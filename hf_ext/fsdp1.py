@@ -16,9 +16,10 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from ckpt_plugins.format import Metadata
-from ckpt_plugins.fragment import FlatPiece, Fragment, flat_fragments
+from ckpt_plugins.fragment import FlatPiece, Fragment
 from ckpt_plugins.state import (Handler, LoadItems, ParamLayout, SaveItems, add_master_sources, canonical_name,
-                                flat_layout, plain_layout, tensor_fragments)
+                                flat_layout, plain_layout)
+from ckpt_plugins.tensor_map import TensorMap, tensor_map
 
 
 def _join(*parts: str) -> str:
@@ -33,15 +34,16 @@ def _pieces(flat_param, prefix: str) -> List[FlatPiece]:
             if info.in_shard]
 
 
-def _flat_layout(flat_param, prefix: str) -> ParamLayout:
+def _flat_layout(flat_param, prefix: str, tmap: TensorMap) -> ParamLayout:
     """A flat parameter (use_orig_params=False): a tensor shaped like its local shard."""
-    return flat_layout(tuple(_join(prefix, f) for f in flat_param._fqns),
-                       tuple(tuple(s) for s in flat_param._shapes), _pieces(flat_param, prefix))
+    return flat_layout([_join(prefix, f) for f in flat_param._fqns], flat_param._shapes, _pieces(flat_param, prefix),
+                       tmap)
 
 
-def _orig_layout(name: str, shape: Tuple[int, ...], start: int) -> ParamLayout:
+def _orig_layout(name: str, shape: Tuple[int, ...], info, tmap: TensorMap) -> ParamLayout:
     """An original parameter under use_orig_params=True: a 1-D view of its piece of the shard."""
-    return ParamLayout((name,), (shape,), lambda t, key_of: flat_fragments(key_of(name), shape, t.reshape(-1), start))
+    start, numel = (info.intra_param_start_idx, info.numel_in_shard) if info.in_shard else (0, 0)
+    return flat_layout([name], [shape], [FlatPiece(name, shape, 0, numel, start)], tmap)
 
 
 def _local_shard(flat_param) -> torch.Tensor:
@@ -57,6 +59,7 @@ class FSDP1ModuleHandler(Handler):
 
     def __init__(self, module: nn.Module):
         self.module = module
+        self.map = tensor_map(module)
         self.units = []  # (canonical prefix of the wrapped module, flat parameter)
         self.handles = []
         for name, sub in module.named_modules():
@@ -86,24 +89,23 @@ class FSDP1ModuleHandler(Handler):
 
     def param_layouts(self) -> Dict[int, ParamLayout]:
         plain = self._plain()
-        layouts = {id(p): plain_layout(canonical_name(n), p) for n, p in self.module.named_parameters()
+        layouts = {id(p): plain_layout(canonical_name(n), p, self.map) for n, p in self.module.named_parameters()
                    if canonical_name(n) in plain}
         for prefix, flat in self.units:
             if flat._params is None:  # use_orig_params=False: the optimizer holds the flat parameter
-                layouts[id(flat)] = _flat_layout(flat, prefix)
+                layouts[id(flat)] = _flat_layout(flat, prefix, self.map)
                 continue
             for param, fqn, shape, info in zip(flat._params, flat._fqns, flat._shapes, flat._shard_param_infos):
-                start = info.intra_param_start_idx if info.in_shard else 0
-                layouts[id(param)] = _orig_layout(_join(prefix, fqn), tuple(shape), start)
+                layouts[id(param)] = _orig_layout(_join(prefix, fqn), tuple(shape), info, self.map)
         return layouts
 
     def _fragments(self, prefix: str) -> List[Fragment]:
         key_of = lambda n: f"{prefix}/{n}"  # noqa: E731
         frags: List[Fragment] = []
         for unit_prefix, flat in self.units:
-            frags += _flat_layout(flat, unit_prefix).fragments(_local_shard(flat), key_of)
+            frags += _flat_layout(flat, unit_prefix, self.map).fragments(_local_shard(flat), key_of)
         for name, tensor in self._plain().items():
-            frags += tensor_fragments(key_of(name), tensor)
+            frags += self.map.fragments(name, tensor, key_of)
         return frags
 
     def save_items(self, prefix: str) -> SaveItems:

@@ -193,18 +193,9 @@ def main_params(inner) -> List[Tuple[torch.nn.Parameter, torch.Tensor, Optional[
 
 
 # Param-group keys Megatron sets per kind of group: equal across ranks for the same kind of group.
-_GROUP_KIND = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "default_config")
-
-
-def _layout_free(groups: List[dict]) -> List[dict]:
-    """Saved param groups without `is_expert_parallel`, groups then equal merged: which optimizer
-    (dense or expert) steps an expert depends on the EP and expert-TP sizes, not on its
-    hyperparameters, and the flag is the live group's own."""
-    merged: dict = {}
-    for g in groups:
-        rest = {k: v for k, v in g.items() if k not in ("params", "is_expert_parallel")}
-        merged.setdefault(json.dumps(rest, sort_keys=True, default=str), {**rest, "params": []})["params"] += g["params"]
-    return list(merged.values())
+# which optimizer (dense or expert) steps an expert depends on the EP and expert-TP sizes
+LAYOUT_KEYS = ("is_expert_parallel",)
+_GROUP_KIND = ("wd_mult", "lr_mult", "is_decoupled_lr", "default_config")
 
 
 class MegatronOptimizer(Handler):
@@ -223,7 +214,7 @@ class MegatronOptimizer(Handler):
         mains = [m for inner in self.inners for m in main_params(inner)]
         layouts = {id(m): self.layout.main_layout(p, start) for p, m, start in mains}
         masters = [(m, layouts[id(m)]) for p, m, _ in mains if m.dtype != p.dtype]
-        return OptimizerHandler([inner.optimizer for inner in self.inners], layouts), masters
+        return OptimizerHandler([inner.optimizer for inner in self.inners], layouts, layout_keys=LAYOUT_KEYS), masters
 
     @staticmethod
     def _master_fragments(masters, prefix: str) -> List[Fragment]:
@@ -258,10 +249,6 @@ class MegatronOptimizer(Handler):
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         handler, masters = self._parts()
         items = handler.load_items(prefix, metadata) if self.optimizer_state else Ignore().load_items(prefix, metadata)
-        key = f"{prefix}/param_groups"
-        if key in items.objects:
-            apply = items.objects[key]
-            items.objects[key] = lambda saved: apply(_layout_free(saved))
         for frag in self._master_fragments(masters, prefix):
             name = frag.key[len(prefix) + 1:-len(MASTER) - 1]
             frag.sources, frag.cast = (f"{MODEL}/{name}",), True

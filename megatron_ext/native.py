@@ -30,8 +30,9 @@ from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, mega
 from ckpt_plugins.families.segments import segment_pieces
 from ckpt_plugins.foreign import StandIn, load_pickle_restricted, load_torch_inert
 from ckpt_plugins.offline import LazyFragment, write_checkpoint
-from ckpt_plugins.state import MASTER, MODEL, OPTIM
+from ckpt_plugins.state import MASTER, MODEL, OPTIM, saved_groups
 
+from .gpt import LAYOUT_KEYS
 from .training import checkpoint_dir, tracked_iteration
 
 DCP_METADATA = ".metadata"
@@ -379,7 +380,7 @@ def import_megatron(directory: str, path, *, weights_only: bool = False, overwri
                 step = torch.tensor(float(g.get("step", 0)))
                 fragments += [LazyFragment(f"{OPTIM}/{n}/step", (), torch.float32, (), (), lambda s=step: s)
                               for n in members]
-        objects[f"{OPTIM}/param_groups"] = saved
+        objects[f"{OPTIM}/param_groups"] = saved_groups(saved, LAYOUT_KEYS)
         sched = common.get("opt_param_scheduler")
         if isinstance(sched, dict):
             objects.update({f"sched/{k}": v for k, v in sched.items()})

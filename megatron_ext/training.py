@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional
 import ckpt_plugins as cp
 from ckpt_plugins.committed import read_pointer
 from ckpt_plugins.families.hf_config import HF_CONFIG
-from ckpt_plugins.families.megatron import FAMILIES
+from ckpt_plugins.families.family import FAMILIES
 from ckpt_plugins.results import take_finished
 from ckpt_plugins.state import Handler, LoadItems, SaveItems
 from ckpt_plugins.storage import storage_for

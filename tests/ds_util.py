@@ -18,6 +18,36 @@ def cpu_friendly_deepspeed() -> None:
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda *a, **k: None
 
 
+def autoep_compatible_transformers() -> None:
+    """DeepSpeed 0.19.8's AutoEP presets key transformers' output-capture registry by a string
+    (`auto_ep_presets/base.py` calls `registry.get(key, default)` and `registry[key] = ...`), while
+    transformers 5.23's `_CanRecordRegistry` takes a model there: accept string keys as well, as
+    the registry dict itself does."""
+    from transformers.utils.output_capturing import _CanRecordRegistry
+    if getattr(_CanRecordRegistry, "_accepts_strings", False):
+        return
+    by_model_get, by_model_set = _CanRecordRegistry.get, _CanRecordRegistry.__setitem__
+
+    def get(self, key, *default):
+        return dict.get(self, key, *default) if isinstance(key, str) else by_model_get(self, key)
+
+    def setitem(self, key, value):
+        return dict.__setitem__(self, key, value) if isinstance(key, str) else by_model_set(self, key, value)
+
+    _CanRecordRegistry.get, _CanRecordRegistry.__setitem__, _CanRecordRegistry._accepts_strings = get, setitem, True
+
+
+def autoep_groups(model, groups: list, ep_size: int) -> list:
+    """`groups` with transformers' fused expert tensors moved into one MoE group, as AutoEP wants:
+    the engine swaps them for its grouped local experts in place, and ZeRO partitions a group
+    marked `moe` over the expert-data-parallel group it names."""
+    experts = {id(p) for n, p in model.named_parameters() if ".mlp.experts." in n}
+    out = [{**g, "params": [p for p in g["params"] if id(p) not in experts]} for g in groups]
+    moved = [p for g in groups for p in g["params"] if id(p) in experts]
+    decay = next(g["weight_decay"] for g in groups if any(id(p) in experts for p in g["params"]))
+    return out + [{"params": moved, "weight_decay": decay, "moe": True, "name": f"ep_size_{ep_size}"}]
+
+
 def config(stage: int, bf16: bool, world: int, backend: bool = True, fp32_accumulation: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL_ROWS // world, "gradient_accumulation_steps": 1,
            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Tuple
 
-from .megatron import FAMILIES, Dims
+from .family import FAMILIES
+from .megatron import Dims
 
 # The object holding the model's HF config.json text, when a save knows it: exports write it out.
 HF_CONFIG = "hf_config"

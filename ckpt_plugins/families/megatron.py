@@ -19,30 +19,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
+from .family import FAMILIES, Family
 from .segments import Segment, Shape
-
-
-@dataclass(frozen=True)
-class Family:
-    """How one HF family names what Megatron's GPT layers hold. None: no HF counterpart (such a
-    tensor keeps its Megatron name)."""
-    name: str
-    moe_block: str = "mlp"
-    experts: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
-    shared: Optional[str] = None          # the shared expert's module
-    shared_gate: Optional[str] = None     # the shared expert's sigmoid gate
-    expert_bias: Optional[str] = None     # the aux-loss-free router bias, under the MoE block
-
-
-FAMILIES: Dict[str, Family] = {f.name: f for f in (
-    Family("llama"), Family("qwen2"), Family("qwen3"), Family("qwen3_moe"),
-    Family("mixtral", moe_block="block_sparse_moe", experts=("w1", "w3", "w2")),
-    Family("qwen2_moe", shared="shared_expert", shared_gate="shared_expert_gate"),
-    Family("deepseek_v3", shared="shared_experts", expert_bias="gate.e_score_correction_bias"),
-    Family("megatron"),  # no HF counterpart (a hybrid with Mamba layers): every layer keeps Megatron names
-)}
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,12 @@ class Segment:
     axes: Optional[Tuple[int, ...]] = None
 
 
+def whole(name: str, shape: Shape) -> Tuple[Segment, ...]:
+    """A tensor stored whole under another name."""
+    shape = tuple(shape)
+    return (Segment(name, shape, ((0,) * len(shape), shape), (0,) * len(shape)),)
+
+
 def segment_pieces(segments: Sequence[Segment], local_shape, tensor: torch.Tensor,
                    start: Optional[int]) -> Iterator[Tuple[Segment, torch.Tensor, Tuple[int, ...]]]:
     """(segment, view, offsets in the segment's tensor) for every part of `tensor` in a segment.
@@ -69,3 +75,20 @@ def zero_padding(segments: Sequence[Segment], local_shape, tensor: torch.Tensor,
     for seg, view, _ in segment_pieces(segments, local_shape, tensor, start):
         if seg.name is None:
             view.zero_()
+
+
+def within(segments: Sequence[Segment], box: Box) -> List[Segment]:
+    """The segments of the sub-box `box` of the tensor they describe, relative to that sub-box (a
+    rank's shard of a fused tensor). Segments seen through a `view` have no such sub-box."""
+    out = []
+    for seg in segments:
+        if seg.view is not None:
+            raise ValueError(f"{seg.name}: a segment of a reshaped view cannot be cut to a sub-box")
+        inter = intersect(seg.local, box)
+        if inter is None:
+            continue
+        rel = [i - l for i, l in zip(inter[0], seg.local[0])]
+        dims = seg.axes if seg.axes is not None else range(len(rel))
+        out.append(Segment(seg.name, seg.shape, (tuple(i - b for i, b in zip(inter[0], box[0])), inter[1]),
+                           tuple(o + rel[a] for o, a in zip(seg.offsets, dims)), axes=seg.axes))
+    return out

@@ -1,7 +1,8 @@
-"""One training run carried through four frameworks: Megatron TP2×PP2 with the distributed optimizer
-(2 steps) → DeepSpeed ZeRO-3 on 2 processes (2 steps) → FSDP2 on 1 process (2 steps) → `bcp export`
-→ transformers `from_pretrained`. Every step's loss equals the uninterrupted run (one process,
-plain torch, the same initial weights and batches) within TOLERANCE.
+"""One training run carried through four frameworks: Megatron TP2×PP2 (a Llama) or EP2×PP2 (a
+Qwen3-MoE) with the distributed optimizer (2 steps) → DeepSpeed ZeRO-3 on 2 processes (2 steps) →
+FSDP2 on 1 process (2 steps) → `bcp export` → transformers `from_pretrained`. Every step's loss
+equals the uninterrupted run (one process, plain torch, the same initial weights and batches)
+within TOLERANCE, the same for both models: the MoE routing picks the same experts everywhere.
 
 TOLERANCE: the frameworks compute the same function in different summation orders (TP-split
 matmuls, PP micro-batches, DP gradient averaging, ZeRO-3's reduce-scatter into flat partitions).
@@ -18,11 +19,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import ckpt_plugins as cp
 from distributed import run_ranks
-from endpoints import build, close, llama
+from endpoints import build, close, hf_model
 from test_round_trips import load
 
 TOLERANCE = 2e-5  # relative: 4x the worst measured (4.7e-6)
@@ -35,12 +37,12 @@ def record(root, name, values):
             json.dump(values, f)
 
 
-def stage(rank, world, root, name, source, first_step, save_init=False):
-    endpoint = build(name, seed=0 if source is None else 100 + first_step)
+def stage(rank, world, root, name, source, first_step, model, save_init=False):
+    endpoint = build(name, 0 if source is None else 100 + first_step, model)
     if save_init:
         cp.save(os.path.join(root, "init"), {"model": endpoint.state["model"]})
     if source is not None:
-        load(endpoint, os.path.join(root, source), "megatron_tp2pp2" if source == "megatron" else source)
+        load(endpoint, os.path.join(root, source), source)
     losses = [endpoint.step(first_step + i) for i in range(2)]
     cp.save(os.path.join(root, name), endpoint.state)
     if name == "fsdp2":  # what the exported model must compute: the next batch's loss
@@ -52,31 +54,32 @@ def stage(rank, world, root, name, source, first_step, save_init=False):
     close(endpoint)
 
 
-def uninterrupted(rank, world, root):
-    endpoint = build("single", seed=1)
+def uninterrupted(rank, world, root, model):
+    endpoint = build("single", 1, model)
     cp.load(os.path.join(root, "init"), {"model": endpoint.state["model"]})
     record(root, "reference", [endpoint.step(i) for i in range(6)])
 
 
-def test_megatron_to_deepspeed_to_fsdp2_to_hf_continues_the_same_run(tmp_path):
+@pytest.mark.parametrize("model, megatron", [("llama", "megatron_tp2pp2"), ("qwen3_moe", "megatron_ep2pp2")])
+def test_megatron_to_deepspeed_to_fsdp2_to_hf_continues_the_same_run(tmp_path, model, megatron):
     root = str(tmp_path)
-    run_ranks(4, stage, root, "megatron_tp2pp2", None, 0, True)
-    run_ranks(2, stage, root, "ds_zero3", "megatron_tp2pp2", 2)
-    run_ranks(1, stage, root, "fsdp2", "ds_zero3", 4)
-    run_ranks(1, uninterrupted, root)
+    run_ranks(4, stage, root, megatron, None, 0, model, True)
+    run_ranks(2, stage, root, "ds_zero3", megatron, 2, model)
+    run_ranks(1, stage, root, "fsdp2", "ds_zero3", 4, model)
+    run_ranks(1, uninterrupted, root, model)
     out = subprocess.run([BCP, "export", os.path.join(root, "fsdp2"), tmp_path / "hf", "--format", "hf"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    llama(0).config.save_pretrained(tmp_path / "hf")
-    from transformers import LlamaForCausalLM
+    hf_model(model, 0).config.save_pretrained(tmp_path / "hf")
+    from transformers import AutoModelForCausalLM
     from endpoints import batch
-    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    exported_model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     with torch.no_grad():
         ids = batch(6)
-        exported = model(input_ids=ids, labels=ids).loss.item()
+        exported = exported_model(input_ids=ids, labels=ids).loss.item()
 
     chain = []
-    for name in ("megatron_tp2pp2", "ds_zero3", "fsdp2"):
+    for name in (megatron, "ds_zero3", "fsdp2"):
         with open(tmp_path / f"{name}.json") as f:
             chain += json.load(f)
     with open(tmp_path / "reference.json") as f:
