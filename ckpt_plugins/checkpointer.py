@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, Optional
 
 from .coordinator import Coordinator, checkpoint_groups
-from .loading import Load
+from .loading import load
 from .plan_cache import PlanCache
 from .results import LoadResult, SaveHandle
 from .saving import Save
@@ -62,14 +62,15 @@ class Checkpointer:
     def save(self, path, state: Dict[str, Any], *, async_: bool = False, overlap: bool = False,
              framework: str = "torch", layout: Optional[Dict[str, Any]] = None, step: Optional[int] = None,
              overwrite: bool = False, on_commit: Optional[Callable[[], None]] = None,
-             on_summary: Optional[Callable[[Dict[str, Any]], None]] = None):
+             on_summary: Optional[Callable[[Dict[str, Any]], None]] = None, base=None):
         """Save `state` to `path`. Sync: returns SaveInfo once committed. `async_=True`: returns a
         SaveHandle once the snapshot is taken. `overlap=True`: returns a SaveHandle at once, the
         snapshot running in the background; call `wait_snapshot()` before the next optimizer step.
         `on_commit()` runs on the coordinating rank right after the commit, before the save counts
         as done (a "latest" pointer, retention); its failure is the save's error. `on_summary(figures)`
         runs there too, just before, with the save's telemetry summary (a run's history); its
-        failure only logs.
+        failure only logs. `base`: a committed checkpoint this state was built on (a PEFT run's
+        frozen base): frozen parameters it holds alike are left to it (see `base_ref`).
         """
         coord = self._groups()
         storage = storage_for(path, direct_io=self.direct_io)
@@ -78,7 +79,7 @@ class Checkpointer:
         mode = "overlap" if overlap else "async" if async_ else "sync"
         save = Save(storage, state, coord, self.pool, self.cache, overwrite=overwrite, on_commit=on_commit,
                     meta_extra=dict(framework=framework, layout=dict(layout or {}), step=step), mode=mode,
-                    telemetry=self.telemetry, on_summary=on_summary)
+                    telemetry=self.telemetry, on_summary=on_summary, base=base)
         save.recorder.record.start = t0
         save.prepare(copy_early=mode == "async")
         self._last = save.handle
@@ -127,5 +128,5 @@ class Checkpointer:
         coord = self._groups()
         storage = storage_for(path, direct_io=self.direct_io)
         self._after_last(storage)
-        return Load(storage, state, coord, strict=strict, read_threads=self.read_threads,
-                    shared_memory=self.shared_memory, telemetry=self.telemetry).run()
+        return load(storage, state, coord, strict=strict, read_threads=self.read_threads,
+                    shared_memory=self.shared_memory, telemetry=self.telemetry)

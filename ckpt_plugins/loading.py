@@ -7,12 +7,14 @@ failed, so every rank reaches the second agreement and raises the same error.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import shm
+from .base_ref import BASE, reference, resolve
 from .committed import check_files, read_metadata, read_object
 from .coordinator import Coordinator
 from .engine.read import read_items
@@ -46,34 +48,30 @@ class Load:
         self.read_threads, self.shared_memory = read_threads, shared_memory
         self.what = f"load of {storage}"
         self.items: Optional[LoadItems] = None
+        self.metadata, self.plan, self.requests, self.before = None, None, [], 0
         self.recorder = Recorder("load", backend_of(storage), coord.rank, enabled=telemetry)
         self.recorder.record.info["path"] = str(storage)
 
-    def run(self) -> LoadResult:
-        """Load in place; on any rank's failure, raise it on every rank and drop the state this
-        load created (optimizer moments)."""
-        try:
-            return self._run()
-        except BaseException:
-            for undo in self.items.undo if self.items is not None else []:
-                undo()
-            shm.remove_stale()  # a reader that was killed left its segment
-            raise
+    def check(self, result: LoadResult) -> None:
+        if self.strict and (result.missing_keys or result.unexpected_keys):
+            raise LoadMismatchError(_key_report(result))
 
-    def _run(self) -> LoadResult:
+    def prepare(self) -> LoadResult:
+        """Metadata, handlers and the load plan on every rank, agreed; nothing touched yet. The
+        result names the keys missing from the checkpoint and those nothing wanted."""
         coord = self.coord
         coord.begin()
-        before = coord.collectives
-        failure, request, plan, metadata = None, LoadRequest(host=_HOST), None, None
+        self.before = coord.collectives
+        failure, request = None, LoadRequest(host=_HOST)
         recorder = self.recorder
         try:
             with recorder.phase("metadata"):
-                metadata = read_metadata(self.storage)
+                self.metadata = metadata = read_metadata(self.storage)
                 check_files(self.storage, metadata)
             t = time.time()
             self.items = root_handler(self.state).load_items("", metadata)
             specs = specs_of(self.items.fragments)
-            plan = plan_load(metadata, specs)
+            self.plan = plan = plan_load(metadata, specs)
             # every stored candidate of a wanted tensor counts as used: a bf16 weight is not left
             # over when its fp32 master filled the model
             items = self.items
@@ -86,17 +84,17 @@ class Load:
         except Exception as exc:  # every rank must learn of it, or the others would wait forever
             failure = RankFailure.of(coord.rank, exc)
         with recorder.phase("agree"):
-            requests: List[LoadRequest] = coord.agree(failure, request, what=self.what, then="Nothing was loaded")
+            self.requests = coord.agree(failure, request, what=self.what, then="Nothing was loaded")
+        stored = set(self.metadata.tensors) | set(self.metadata.objects) | set(self.metadata.aliases)
+        return LoadResult(missing_keys=sorted({k for r in self.requests for k in r.missing}),
+                          unexpected_keys=sorted(stored - {k for r in self.requests for k in r.wanted}))
 
-        stored = set(metadata.tensors) | set(metadata.objects) | set(metadata.aliases)
-        result = LoadResult(missing_keys=sorted({k for r in requests for k in r.missing}),
-                            unexpected_keys=sorted(stored - {k for r in requests for k in r.wanted}))
-        if self.strict and (result.missing_keys or result.unexpected_keys):
-            raise LoadMismatchError(_key_report(result))
-
+    def execute(self, result: LoadResult) -> LoadResult:
+        """The data, the objects and the handlers' finish steps; agreed again."""
+        coord, recorder, plan, metadata = self.coord, self.recorder, self.plan, self.metadata
         failure = None
         try:
-            result.read_bytes = self._read(plan, metadata, requests)
+            result.read_bytes = self._read(plan, metadata, self.requests)
             with recorder.phase("objects"):
                 self._objects(metadata, result)
             with recorder.phase("finish"):
@@ -111,7 +109,7 @@ class Load:
                                    then=f"On rank {coord.rank}, " + (
                                        f"these tensors may hold partly loaded data: {_shown(touched)}"
                                        if touched else "no tensor was written"))
-        result.collectives = coord.collectives - before
+        result.collectives = coord.collectives - self.before
         return result
 
     def _read(self, plan: LoadPlan, metadata, requests: List[LoadRequest]) -> int:
@@ -143,6 +141,52 @@ class Load:
         """Keys of this rank's live tensors the data phase may have written."""
         frags = self.items.fragments
         return sorted({frags[c.target].key for r in plan.reads for c in r.copies})
+
+
+def load(storage: Storage, state: Dict[str, Any], coord: Coordinator, *, strict: bool, **options) -> LoadResult:
+    """Load a checkpoint into `state` in place, following its base reference (`base_ref`) when it
+    has one: the base's tensors for the state entries the checkpoint left to it, then its own; the
+    keys of both are checked before any data moves. On any rank's failure every rank raises it,
+    and the state the load created (optimizer moments) is dropped."""
+    main = Load(storage, state, coord, strict=strict, **options)
+    with undone_on_failure([main]):
+        result = main.prepare()
+        if BASE not in main.metadata.objects:
+            main.check(result)
+            return main.execute(result)
+    failure, ref, base_storage = None, None, None
+    try:
+        ref = reference(read_object(storage, main.metadata, BASE, None))
+        base_storage = resolve(storage, ref)
+    except Exception as exc:  # every rank must learn of it
+        failure = RankFailure.of(coord.rank, exc)
+    coord.agree(failure, what=main.what, then="Nothing was loaded")
+    entries = sorted({k.split("/")[0] for k in ref.keys})
+    base = Load(base_storage, {e: state[e] for e in entries if e in state}, coord, strict=False, **options)
+    with undone_on_failure([main, base]):
+        below = base.prepare()
+        leftover = set(below.missing_keys)
+        result.missing_keys = [k for k in result.missing_keys if k in leftover or k.split("/")[0] not in entries]
+        result.unexpected_keys = sorted([k for k in result.unexpected_keys if k != BASE] +
+                                        [k for k in below.unexpected_keys if k.split("/")[0] in entries])
+        main.check(result)
+        read = base.execute(below).read_bytes
+        result = main.execute(result)
+        result.read_bytes += read
+        return result
+
+
+@contextlib.contextmanager
+def undone_on_failure(loads: List["Load"]):
+    """On any failure, drop the state the loads created (optimizer moments) and stale segments."""
+    try:
+        yield
+    except BaseException:
+        for load in loads:
+            for undo in load.items.undo if load.items is not None else []:
+                undo()
+        shm.remove_stale()  # a reader that was killed left its segment
+        raise
 
 
 def _shown(keys: List[str]) -> str:

@@ -29,6 +29,7 @@ from .plan import place, specs_of
 from .plan_cache import CachedPlan, PlanCache
 from .results import SaveHandle
 from .staging import StagingPool, StagingSlot
+from .base_ref import leave_to_base
 from .state import root_handler
 from .storage import Storage
 from .telemetry import TELEMETRY_FILE, RankTelemetry, Recorder, backend_of, checkpoint_file, summary
@@ -58,8 +59,9 @@ class Save:
     def __init__(self, storage: Storage, state: Dict[str, Any], coord: Coordinator, pool: StagingPool,
                  cache: PlanCache, *, meta_extra: Dict[str, Any], overwrite: bool,
                  on_commit: Optional[Callable[[], None]], mode: str = "sync", telemetry: bool = True,
-                 on_summary: Optional[Callable[[Dict[str, Any]], None]] = None):
+                 on_summary: Optional[Callable[[Dict[str, Any]], None]] = None, base=None):
         self.storage, self.state, self.coord, self.pool, self.cache = storage, state, coord, pool, cache
+        self.base = base
         self.meta_extra, self.overwrite, self.on_commit, self.on_summary = meta_extra, overwrite, on_commit, on_summary
         self.handle = SaveHandle(str(storage))
         self.what = f"save to {storage}"
@@ -85,6 +87,8 @@ class Save:
         failure, fragments, aliases, self.objects = None, [], {}, []
         try:
             items = root_handler(self.state).save_items("")
+            if self.base is not None:
+                leave_to_base(items, self.base, self.storage)
             fragments, aliases = items.fragments, items.aliases
             mine = [(kv, None) for kv in items.objects.items()] if coord.is_coordinator else []
             for (key, value), rank in mine + [(kv, coord.rank) for kv in items.per_rank.items()]:

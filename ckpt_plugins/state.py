@@ -7,6 +7,7 @@ Framework extensions add their own `Handler` subclasses and pass them as state v
 """
 from __future__ import annotations
 
+import json
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ from .errors import LoadMismatchError
 from .format import Metadata
 from .fragment import FlatPiece, Fragment
 from .hostmem import advise_huge_pages
-from .tensor_map import IDENTITY, TensorMap, is_dtensor, tensor_fragments, tensor_map
+from .families.peft import config_key
+from .tensor_map import IDENTITY, TensorMap, is_dtensor, is_peft_model, tensor_fragments, tensor_map
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +61,14 @@ class SaveItems:
     objects: Dict[str, Any] = field(default_factory=dict)  # replicated: stored once
     per_rank: Dict[str, Any] = field(default_factory=dict)  # stored with this rank's id
     aliases: Dict[str, str] = field(default_factory=dict)
+    frozen: Set[str] = field(default_factory=set)  # keys of frozen parameters (a save on a base may skip them)
 
     def extend(self, other: "SaveItems") -> None:
         self.fragments += other.fragments
         self.objects.update(other.objects)
         self.per_rank.update(other.per_rank)
         self.aliases.update(other.aliases)
+        self.frozen |= other.frozen
 
 
 @dataclass
@@ -150,7 +154,7 @@ class ModuleHandler(Handler):
         own, aliases = {}, {}
         for name, tensor in self.named_tensors().items():
             sid = _storage_id(tensor)
-            key = f"{prefix}/{name}"
+            key = f"{prefix}/{self.map.renamed(name)}"
             if sid in first and tensor.numel():
                 aliases[key] = first[sid]
             else:
@@ -164,11 +168,32 @@ class ModuleHandler(Handler):
 
     def save_items(self, prefix: str) -> SaveItems:
         own, aliases = self._split_tied(prefix)
-        return SaveItems(fragments=self._fragments(prefix, own), aliases=aliases)
+        return SaveItems(fragments=self._fragments(prefix, own), aliases=aliases, objects=adapter_configs(self.module, prefix),
+                         frozen=frozen_keys(self.module, self.map, prefix))
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         own, aliases = self._split_tied(prefix)
-        return LoadItems(fragments=add_master_sources(prefix, self._fragments(prefix, own)), accepted=set(aliases))
+        return LoadItems(fragments=add_master_sources(prefix, self._fragments(prefix, own)),
+                         accepted=set(aliases) | set(adapter_configs(self.module, prefix)))
+
+
+def adapter_configs(module: nn.Module, prefix: str) -> Dict[str, str]:
+    """A PEFT model's adapter configs (JSON, as PEFT writes `adapter_config.json`), by stored key;
+    what `bcp export --format peft` and `--merge-adapters` need. A load keeps the live model's own."""
+    if not is_peft_model(module):
+        return {}
+    out = {}
+    for name, config in module.peft_config.items():
+        values = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+        out[f"{prefix}/{config_key(name)}"] = json.dumps(values, default=str)
+    return out
+
+
+def frozen_keys(module: nn.Module, tmap: TensorMap, prefix: str) -> Set[str]:
+    """The stored keys of `module`'s frozen parameters (any wrapper; a parameter whose global shape
+    is hidden, such as an FSDP1 flat parameter, counts as trainable)."""
+    return {f"{prefix}/{n}" for name, p in module.named_parameters() if not p.requires_grad
+            for n, _ in tmap.names(canonical_name(name), getattr(p, "ds_shape", p.shape))}
 
 
 # ------------------------------------------------------------------ optimizers
@@ -244,7 +269,10 @@ class OptimizerHandler(Handler):
                 self.states.setdefault(id(p), optimizers[0].state)
 
     def _params(self):
-        return [p for _, params in self.groups for p in params]
+        """The parameters this rank holds part of. An FSDP1 original parameter outside the rank's
+        shard is an empty tensor that torch gives no optimizer state (no gradient): a load creating
+        some would leave a step count that never advances, and a save would store it."""
+        return [p for _, params in self.groups for p in params if p.numel() or is_dtensor(p)]
 
     def save_items(self, prefix: str) -> SaveItems:
         items = SaveItems()

@@ -17,6 +17,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .families.hf_experts import FUSED, expert_segments, segment_names
+from .families.peft import peft_segments
 from .families.segments import Segment, segment_fragments, within
 from .fragment import FlatPiece, Fragment, box_fragment, piece_fragments
 
@@ -86,6 +87,12 @@ class TensorMap:
         shape = tuple(int(s) for s in shape)
         return segment_names(self.segments(name, shape), name, shape)
 
+    def renamed(self, name: str) -> str:
+        """The stored name of a tensor stored whole under another name (PEFT's wrapped names,
+        Mixtral's router): what a tied tensor's alias names. Renames never depend on the shape."""
+        segments = self.segments(name, ())
+        return segments[0].name if segments is not None and len(segments) == 1 else name
+
     def fragments(self, name: str, tensor: torch.Tensor, key_of: Callable[[str], str]) -> List[Fragment]:
         """A tensor shaped like `name` (plain, or a DTensor shard of it) as stored fragments."""
         segments = self.segments(name, tuple(tensor.shape))
@@ -111,7 +118,18 @@ class TensorMap:
 IDENTITY = TensorMap()
 
 
+def is_peft_model(module: Any) -> bool:
+    """A PEFT `PeftModel` (or a wrapper forwarding to one), by what it has rather than its class:
+    the core imports no framework."""
+    return hasattr(module, "peft_config") and hasattr(module, "get_base_model")
+
+
 def tensor_map(module: Any) -> TensorMap:
-    """The map of a model: transformers' MoE families by their config's `model_type`."""
-    family = getattr(getattr(module, "config", None), "model_type", None)
+    """The map of a model: a PEFT model's base under the base model's names and its adapters under
+    theirs; transformers' MoE families by their config's `model_type`."""
+    peft = is_peft_model(module)
+    base = module.get_base_model() if peft else module
+    family = getattr(getattr(base, "config", None), "model_type", None)
+    if peft:
+        return TensorMap(functools.partial(peft_segments, family))
     return TensorMap(functools.partial(expert_segments, family)) if family in FUSED else IDENTITY

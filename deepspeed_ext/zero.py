@@ -23,7 +23,8 @@ import torch.distributed as dist
 from ckpt_plugins.format import Metadata
 from ckpt_plugins.fragment import FlatPiece, Fragment
 from ckpt_plugins.state import (MASTER, MODEL, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
-                                SaveItems, add_master_sources, canonical_name, flat_layout, plain_layout)
+                                SaveItems, adapter_configs, add_master_sources, canonical_name, flat_layout, frozen_keys,
+                                plain_layout)
 from ckpt_plugins.tensor_map import TensorMap, tensor_map
 
 from .autoep import autoep_segments, placements
@@ -58,10 +59,8 @@ class ZeroState:
         first: Dict[int, str] = {}
         for n, p in module.named_parameters(remove_duplicate=False):
             name = canonical_name(n)
-            if id(p) in first and first[id(p)] != name and \
-                    self.map.names(name, getattr(p, "ds_shape", p.shape)) != \
-                    self.map.names(first[id(p)], getattr(p, "ds_shape", p.shape)):  # AutoEP's gate.gate
-                self.aliases[name] = first[id(p)]
+            if id(p) in first and self.map.renamed(name) != self.map.renamed(first[id(p)]):  # not AutoEP's gate.gate
+                self.aliases[self.map.renamed(name)] = self.map.renamed(first[id(p)])
             first.setdefault(id(p), name)
         self.params = [(self.names[id(p)], p) for p in dict.fromkeys(p for _, p in module.named_parameters())]
         self.buffers = {canonical_name(f"{mn}.{bn}" if mn else bn): b for mn, m in module.named_modules()
@@ -159,14 +158,17 @@ class DeepSpeedModel(Handler):
     def save_items(self, prefix: str) -> SaveItems:
         zero = ZeroState(self.engine)
         return SaveItems(fragments=zero.weight_fragments(prefix),
-                         aliases={f"{prefix}/{a}": f"{prefix}/{t}" for a, t in zero.aliases.items()})
+                         aliases={f"{prefix}/{a}": f"{prefix}/{t}" for a, t in zero.aliases.items()},
+                         objects=adapter_configs(self.engine.module, prefix),
+                         frozen=frozen_keys(self.engine.module, zero.map, prefix))
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         zero = ZeroState(self.engine)
         frags = add_master_sources(prefix, zero.weight_fragments(prefix))
         for frag in frags:  # low-precision weights are a rounding of the masters: any stored copy will do
             frag.cast = zero.low_precision
-        return LoadItems(fragments=frags, accepted={f"{prefix}/{a}" for a in zero.aliases},
+        return LoadItems(fragments=frags, accepted={f"{prefix}/{a}" for a in zero.aliases} |
+                         set(adapter_configs(self.engine.module, prefix)),
                          finish=[lambda: _after_load(self.engine)])
 
 

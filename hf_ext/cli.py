@@ -24,13 +24,17 @@ def cmd_export(args) -> int:
     from ckpt_plugins.cli import progress_bar
     from ckpt_plugins.offline import open_checkpoint
 
-    from .safetensors_io import export_hf
+    from .safetensors_io import export_hf, export_peft
+    if args.format == "peft":
+        files = export_peft(args.path, args.out, args.adapter)
+        print(f"wrote adapter {args.adapter!r} to {args.out}: {', '.join(files)}")
+        return 0
     _, metadata = open_checkpoint(args.path)
     total = sum(b.nbytes for k, t in metadata.tensors.items() if k.startswith("model/") for b in t.boxes)
     progress = progress_bar(total, "export")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     files = export_hf(args.path, args.out, max_shard_bytes=parse_size(args.max_shard_size), dtype=dtype,
-                      progress=progress.update)
+                      merge_adapter=args.adapter if args.merge_adapters else None, progress=progress.update)
     progress.close()
     print(f"wrote {len(files)} file(s) to {args.out}: {', '.join(files)}")
     return 0
@@ -44,7 +48,8 @@ def cmd_import_hf(args) -> int:
     from .safetensors_io import import_hf
     progress = progress_bar(sum(os.path.getsize(os.path.join(args.hf_dir, f)) for f in os.listdir(args.hf_dir)
                             if f.endswith(".safetensors")), "import")
-    metadata = import_hf(args.hf_dir, args.path, overwrite=args.overwrite, progress=progress.update)
+    metadata = import_hf(args.hf_dir, args.path, overwrite=args.overwrite, adapter=args.adapter,
+                         progress=progress.update)
     progress.close()
     print(f"wrote checkpoint {args.path}: {len(metadata.tensors)} tensors, {metadata.total_bytes:,} bytes")
     return 0
@@ -55,7 +60,11 @@ def register(sub) -> None:
                                       "(model.safetensors, sharded above --max-shard-size, and config.json)")
     p.add_argument("path", help="ckpt_plugins checkpoint")
     p.add_argument("out", help="output directory")
-    p.add_argument("--format", choices=["hf"], default="hf")
+    p.add_argument("--format", choices=["hf", "peft"], default="hf",
+                   help="hf: the model (a PEFT run's base, from the base checkpoint it refers to); peft: one "
+                        "adapter as PEFT saves it (adapter_model.safetensors, adapter_config.json)")
+    p.add_argument("--merge-adapters", action="store_true", help="--format hf: merge the adapter into the weights")
+    p.add_argument("--adapter", default="default", help="the PEFT adapter to export or merge (default: default)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="convert the weights (fp32 masters are used where the checkpoint has them)")
@@ -64,4 +73,5 @@ def register(sub) -> None:
     p.add_argument("hf_dir")
     p.add_argument("path")
     p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at PATH")
+    p.add_argument("--adapter", default="default", help="a PEFT adapter directory's adapter name (default: default)")
     p.set_defaults(func=cmd_import_hf)

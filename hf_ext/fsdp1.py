@@ -17,8 +17,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from ckpt_plugins.format import Metadata
 from ckpt_plugins.fragment import FlatPiece, Fragment
-from ckpt_plugins.state import (Handler, LoadItems, ParamLayout, SaveItems, add_master_sources, canonical_name,
-                                flat_layout, plain_layout)
+from ckpt_plugins.state import (Handler, LoadItems, ParamLayout, SaveItems, adapter_configs, add_master_sources,
+                                canonical_name, flat_layout, frozen_keys, plain_layout)
 from ckpt_plugins.tensor_map import TensorMap, tensor_map
 
 
@@ -110,7 +110,9 @@ class FSDP1ModuleHandler(Handler):
 
     def save_items(self, prefix: str) -> SaveItems:
         return SaveItems(fragments=self._fragments(prefix),
-                         aliases={f"{prefix}/{a}": f"{prefix}/{t}" for a, t in self.aliases.items()})
+                         aliases={f"{prefix}/{self.map.renamed(a)}": f"{prefix}/{self.map.renamed(t)}"
+                                  for a, t in self.aliases.items()},
+                         objects=adapter_configs(self.module, prefix), frozen=frozen_keys(self.module, self.map, prefix))
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         for handle in self.handles:  # an unsharded copy would hide the loaded shard until the next reshard
@@ -119,7 +121,8 @@ class FSDP1ModuleHandler(Handler):
                 handle.reshard(free_unsharded_flat_param=True)
                 handle.post_reshard()
         return LoadItems(fragments=add_master_sources(prefix, self._fragments(prefix)),
-                         accepted={f"{prefix}/{a}" for a in self.aliases})
+                         accepted={f"{prefix}/{self.map.renamed(a)}" for a in self.aliases} |
+                         set(adapter_configs(self.module, prefix)))
 
 
 def has_fsdp1_units(value) -> bool:

@@ -12,18 +12,20 @@ import math
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ckpt_plugins.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from ckpt_plugins.committed import read_object
+from ckpt_plugins.base_ref import BASE, reference, resolve
 from ckpt_plugins.families.hf_config import HF_CONFIG
-from ckpt_plugins.format import dtype_from_name, dtype_name
+from ckpt_plugins.families.peft import ADAPTER, adapted_weight, config_key, file_name, from_file_name, is_adapter
+from ckpt_plugins.format import Metadata, dtype_from_name, dtype_name
 from ckpt_plugins.offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
 from ckpt_plugins.plan import TensorSpec, choose_source
 from ckpt_plugins.state import MODEL, master_key
-from ckpt_plugins.storage import AlignedStream, storage_for
+from ckpt_plugins.storage import AlignedStream, Storage, storage_for
 
 SAFE_NAME, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -36,36 +38,76 @@ MAX_HEADER = 100 << 20
 # ------------------------------------------------------------------ export
 
 
+def _layers(path) -> List[Tuple[Storage, Metadata]]:
+    """The checkpoint, then the base checkpoint it refers to (an adapter-only save's frozen base):
+    a tensor is read from the first that holds it."""
+    storage, metadata = open_checkpoint(path)
+    layers = [(storage, metadata)]
+    if BASE in metadata.objects:
+        base = resolve(storage, reference(read_object(storage, metadata, BASE, None)))
+        layers.append(open_checkpoint(base))
+    return layers
+
+
+def _holder(layers, key: str):
+    return next(((st, md) for st, md in layers if md.aliases.get(key, key) in md.tensors), (None, None))
+
+
 def export_hf(path, out_dir: str, *, max_shard_bytes: int = 5 << 30, dtype: Optional[torch.dtype] = None,
-              progress: Optional[Callable[[int], None]] = None) -> List[str]:
-    """Write the checkpoint's model weights (`model/...`) as HF safetensors into `out_dir`.
+              merge_adapter: Optional[str] = None, progress: Optional[Callable[[int], None]] = None) -> List[str]:
+    """Write the checkpoint's model weights (`model/...`, a PEFT run's base from the base checkpoint
+    it refers to) as HF safetensors into `out_dir`; adapters are left out, or merged into the
+    weights they adapt with `merge_adapter` (an adapter's name).
 
     `dtype`: convert on the way (fp32 masters are used where the checkpoint has them and the
     stored weights are of another dtype). Returns the files written.
     """
-    storage, metadata = open_checkpoint(path)
-    names = sorted(k[len(MODEL) + 1:] for k in metadata.tensors if k.startswith(MODEL + "/"))
+    layers = _layers(path)
+    names = sorted({k[len(MODEL) + 1:] for _, md in layers for k in md.tensors
+                    if k.startswith(MODEL + "/") and not is_adapter(k[len(MODEL) + 1:])})
     if not names:
         raise NotACheckpointError(f"{path} holds no model weights (no '{MODEL}/...' tensors) to export")
+    merge = _merger(layers, merge_adapter) if merge_adapter is not None else {}
     sources = {}
     for name in names:
+        storage, metadata = _holder(layers, f"{MODEL}/{name}")
         meta = metadata.tensors[f"{MODEL}/{name}"]
         want = dtype or dtype_from_name(meta.dtype)
         spec = TensorSpec(f"{MODEL}/{name}", tuple(meta.shape), dtype_name(want), (0,) * len(meta.shape),
                           tuple(meta.shape), (master_key(name),), cast=True)
-        sources[name] = (choose_source(metadata, spec), want, tuple(meta.shape))
-    shards = _shard([(n, math.prod(s) * d.itemsize) for n, (_, d, s) in sources.items()], max_shard_bytes)
+        sources[name] = (storage, metadata, choose_source(metadata, spec), want, tuple(meta.shape))
+
+    def load(name: str, buffer: torch.Tensor) -> torch.Tensor:
+        storage, metadata, key, want, _ = sources[name]
+        tensor = read_tensor(storage, metadata, key, want, buffer=buffer)
+        return merge[name](tensor) if name in merge else tensor
+
+    files = write_safetensors(out_dir, [(n, sources[n][3], sources[n][4]) for n in names], load, max_shard_bytes,
+                              progress)
+    storage, metadata = layers[0]
+    if HF_CONFIG in metadata.objects:
+        _write_json(os.path.join(out_dir, "config.json"), json.loads(read_object(storage, metadata, HF_CONFIG, None)))
+        files.append("config.json")
+    return files
+
+
+def write_safetensors(out_dir: str, entries: List[Tuple[str, torch.dtype, Tuple[int, ...]]],
+                      load: Callable[[str, torch.Tensor], torch.Tensor], max_shard_bytes: int = 5 << 30,
+                      progress: Optional[Callable[[int], None]] = None, single: str = SAFE_NAME) -> List[str]:
+    """Tensors (name, dtype, shape; `load(name, buffer)` gives each) as safetensors files in
+    `out_dir`, sharded above `max_shard_bytes` with an index, each file renamed into place whole."""
+    shapes = {n: (d, s) for n, d, s in entries}
+    shards = _shard([(n, math.prod(s) * d.itemsize) for n, d, s in entries], max_shard_bytes)
     os.makedirs(out_dir, exist_ok=True)
     out_storage = storage_for(out_dir)
-    largest = max(math.prod(s) * d.itemsize for _, d, s in sources.values())
+    largest = max(math.prod(s) * d.itemsize for _, d, s in entries)
     buffers = [torch.ones(largest, dtype=torch.uint8) for _ in range(2)]  # touched once, reused
-    files = []
-    weight_map = {}
+    files, weight_map = [], {}
     for index, shard in enumerate(shards):
-        fname = SAFE_NAME if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        fname = single if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
         header, offset = {}, 0
         for name in shard:
-            _, d, shape = sources[name]
+            d, shape = shapes[name]
             nbytes = math.prod(shape) * d.itemsize
             header[name] = {"dtype": _ST_DTYPES[d], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
@@ -76,8 +118,7 @@ def export_hf(path, out_dir: str, *, max_shard_bytes: int = 5 << 30, dtype: Opti
         out = AlignedStream(out_storage.open_writer(fname + ".tmp"))
         try:
             out.write(struct.pack("<Q", len(raw)) + raw)
-            for tensor in _prefetched(lambda n, buf: read_tensor(storage, metadata, sources[n][0], sources[n][1],
-                                                                 buffer=buf), shard, buffers):
+            for tensor in _prefetched(load, shard, buffers):
                 data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b""
                 out.write(data)
                 if progress:
@@ -88,13 +129,68 @@ def export_hf(path, out_dir: str, *, max_shard_bytes: int = 5 << 30, dtype: Opti
         os.replace(os.path.join(out_dir, fname + ".tmp"), os.path.join(out_dir, fname))
         files.append(fname)
     if len(shards) > 1:
-        total = sum(math.prod(s) * d.itemsize for _, d, s in sources.values())
+        total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
         _write_json(os.path.join(out_dir, SAFE_INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
         files.append(SAFE_INDEX)
-    if HF_CONFIG in metadata.objects:
-        _write_json(os.path.join(out_dir, "config.json"), json.loads(read_object(storage, metadata, HF_CONFIG, None)))
-        files.append("config.json")
     return files
+
+
+def _adapter(layers, adapter: str) -> Tuple[Dict[str, Any], Dict[str, str], Any]:
+    """An adapter's PEFT config, its stored tensors by stored name, and the layer holding them."""
+    for storage, metadata in layers:
+        key = f"{MODEL}/{config_key(adapter)}"
+        if key in metadata.objects:
+            config = json.loads(read_object(storage, metadata, key, None))
+            tensors = {k[len(MODEL) + 1:]: k for k in metadata.tensors
+                       if k.startswith(f"{MODEL}/{ADAPTER}/{adapter}/")}
+            return config, tensors, (storage, metadata)
+    known = sorted({k.split("/")[2] for _, md in layers for k in md.objects if k.startswith(f"{MODEL}/{ADAPTER}/")})
+    raise NotACheckpointError(f"no adapter {adapter!r} (with its PEFT config) in the checkpoint; it has: "
+                              f"{', '.join(known) or 'none'}")
+
+
+def _merger(layers, adapter: str) -> Dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """For every weight the adapter changes, how to merge it in: W + s·B·A (LoRA; embeddings take
+    the transpose), or the trained copy of a `modules_to_save` layer. s = alpha / r (alpha / √r
+    with rsLoRA)."""
+    config, tensors, (storage, metadata) = _adapter(layers, adapter)
+    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora") or config.get("fan_in_fan_out"):
+        raise ValueError(f"adapter {adapter!r}: only plain LoRA adapters merge here (this one is "
+                         f"{config.get('peft_type')}{', DoRA' if config.get('use_dora') else ''}); merge with "
+                         "PEFT's merge_and_unload() instead")
+    by_weight: Dict[str, Dict[str, str]] = {}
+    for stored, key in tensors.items():
+        _, weight, kind = adapted_weight(stored)
+        by_weight.setdefault(weight, {})[kind] = key
+    r, alpha = config["r"], config["lora_alpha"]
+    scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    read = lambda key: read_tensor(storage, metadata, key).float()  # noqa: E731
+    out = {}
+    for weight, kinds in by_weight.items():
+        if "modules_to_save" in kinds:
+            out[weight] = lambda w, k=kinds["modules_to_save"]: read(k).to(w.dtype)
+        elif "lora_A" in kinds:
+            out[weight] = lambda w, k=kinds: (w.float() + scale * read(k["lora_B"]) @ read(k["lora_A"])).to(w.dtype)
+        elif "lora_embedding_A" in kinds:
+            out[weight] = lambda w, k=kinds: (w.float() + scale * (read(k["lora_embedding_B"]) @
+                                                                  read(k["lora_embedding_A"])).T).to(w.dtype)
+    return out
+
+
+def export_peft(path, out_dir: str, adapter: str = "default") -> List[str]:
+    """Write one adapter as PEFT does: `adapter_model.safetensors` and `adapter_config.json`, for
+    `PeftModel.from_pretrained(base_model, out_dir)`."""
+    layers = _layers(path)
+    config, tensors, (storage, metadata) = _adapter(layers, adapter)
+    if not tensors:
+        raise NotACheckpointError(f"adapter {adapter!r} has no tensors in {path}")
+    names = {file_name(stored): key for stored, key in tensors.items()}
+    entries = [(n, dtype_from_name(metadata.tensors[k].dtype), tuple(metadata.tensors[k].shape))
+               for n, k in sorted(names.items())]
+    files = write_safetensors(out_dir, entries, lambda n, buf: read_tensor(storage, metadata, names[n], buffer=buf),
+                              single="adapter_model.safetensors")
+    _write_json(os.path.join(out_dir, "adapter_config.json"), config)
+    return files + ["adapter_config.json"]
 
 
 def _prefetched(load, names: List[str], buffers: List[torch.Tensor]):
@@ -171,30 +267,44 @@ def _read_safetensor(path: str, entry: dict, data_start: int) -> torch.Tensor:
         torch.empty(entry["shape"], dtype=dtype)
 
 
-def import_hf(hf_dir: str, path, *, overwrite: bool = False,
+def import_hf(hf_dir: str, path, *, overwrite: bool = False, adapter: str = "default",
               progress: Optional[Callable[[int], None]] = None):
     """An HF model directory (safetensors, single or sharded) becomes a ckpt_plugins checkpoint
-    whose `model/<name>` tensors load under every framework extension."""
+    whose `model/<name>` tensors load under every framework extension. A PEFT adapter directory
+    (`adapter_config.json`, `adapter_model.safetensors`) becomes the adapter `adapter`'s tensors
+    and config, which load into a PEFT model of any framework."""
     index = os.path.join(hf_dir, SAFE_INDEX)
-    if os.path.isfile(index):
+    peft_config = os.path.join(hf_dir, "adapter_config.json")
+    objects, aliases = {}, {}
+    if os.path.isfile(peft_config):
+        with open(peft_config) as f:
+            objects[f"{MODEL}/{config_key(adapter)}"] = f.read()
+        modules_to_save = json.loads(objects[f"{MODEL}/{config_key(adapter)}"]).get("modules_to_save") or ()
+        rename = lambda name: from_file_name(name, adapter, modules_to_save)  # noqa: E731
+        files = ["adapter_model.safetensors"]
+    elif os.path.isfile(index):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
+        rename = lambda name: name  # noqa: E731
     elif os.path.isfile(os.path.join(hf_dir, SAFE_NAME)):
         files = [SAFE_NAME]
+        rename = lambda name: name  # noqa: E731
     else:
-        raise NotACheckpointError(f"{hf_dir} has neither {SAFE_NAME} nor {SAFE_INDEX}; only safetensors "
-                                  "model directories can be imported")
+        raise NotACheckpointError(f"{hf_dir} has neither {SAFE_NAME} nor {SAFE_INDEX} nor a PEFT adapter; only "
+                                  "safetensors model or adapter directories can be imported")
     fragments = []
     for fname in files:
         if "/" in fname or fname.startswith("."):
             raise CheckpointError(f"{index} names file {fname!r} outside the model directory")
         fpath = os.path.join(hf_dir, fname)
+        if not os.path.isfile(fpath):
+            raise NotACheckpointError(f"{hf_dir} has no {fname}")
         entries, data_start = read_header(fpath)
         for name, entry in sorted(entries.items()):
             shape = tuple(entry["shape"])
-            fragments.append(LazyFragment(f"{MODEL}/{name}", shape, _FROM_ST[entry["dtype"]], (0,) * len(shape),
-                                          shape, lambda p=fpath, e=entry, s=data_start: _read_safetensor(p, e, s)))
-    objects, aliases = {}, {}
+            fragments.append(LazyFragment(f"{MODEL}/{rename(name)}", shape, _FROM_ST[entry["dtype"]],
+                                          (0,) * len(shape), shape,
+                                          lambda p=fpath, e=entry, s=data_start: _read_safetensor(p, e, s)))
     config_path = os.path.join(hf_dir, "config.json")
     if os.path.isfile(config_path):
         with open(config_path) as f:

@@ -18,6 +18,10 @@ What it changes, on this one Trainer instance (documented because these are Trai
   optimizer, after the Trainer has built it, so its bytes are read once.
 - Everything else stays native: trainer_state.json (global step, logs, best model, stateful
   callbacks), the batches skipped on resume, `save_total_limit` rotation, `on_save`.
+- A PEFT model whose base is frozen: each checkpoint holds the adapters, their optimizer state
+  and the rest of the training state, and refers to a base checkpoint for the frozen weights:
+  `peft_base=` (the checkpoint the base was loaded from), else `<output_dir>/base`, written once
+  at the first save. `adapters_only=False` stores everything in every checkpoint.
 - `async_save=True`: a save returns once its snapshot is taken. Rotation then waits until the
   save has committed (at the next save or at the end of training), so the newest whole checkpoint
   is never deleted for one still being written.
@@ -36,6 +40,7 @@ from typing import Any, Dict, Optional
 import torch
 
 import ckpt_plugins as cp
+from ckpt_plugins.tensor_map import is_peft_model
 
 from .safetensors_io import HF_CONFIG
 
@@ -47,10 +52,12 @@ def is_ckpt_plugins_checkpoint(path: Optional[str]) -> bool:
 
 
 class _Integration:
-    def __init__(self, trainer, async_save: bool, checkpointer: Optional[cp.Checkpointer]):
+    def __init__(self, trainer, async_save: bool, checkpointer: Optional[cp.Checkpointer],
+                 peft_base: Optional[str], adapters_only: bool):
         self.trainer = trainer
         self.async_save = async_save
         self.checkpointer = checkpointer
+        self.peft_base, self.adapters_only = peft_base, adapters_only
         self.native = {}
         self.in_checkpoint = False
         self.pending: Optional[cp.SaveHandle] = None
@@ -100,13 +107,26 @@ class _Integration:
         state = self.state(with_training_state=not t.args.save_only_model)
         state[HF_CONFIG] = _config_json(t)
         result = self.ckpt().save(output_dir, state, async_=self.async_save, framework="hf-trainer",
-                                  layout={"world_size": t.args.world_size}, step=t.state.global_step)
+                                  layout={"world_size": t.args.world_size}, step=t.state.global_step,
+                                  base=self.base())
         if self.async_save:
             self.pending = result
         else:
             self.log_save(result)
         if t.args.should_save:
             _save_side_files(t, output_dir)
+
+    def base(self) -> Optional[str]:
+        """The base checkpoint a PEFT model's adapter-only saves refer to (None: save everything)."""
+        t = self.trainer
+        if not (self.adapters_only and is_peft_model(t.accelerator.unwrap_model(t.model))):
+            return None
+        if self.peft_base is None:
+            path = os.path.join(t.args.output_dir, "base")
+            if not cp.is_checkpoint(path):
+                self.ckpt().save(path, {"model": t.model}, framework="hf-trainer")
+            self.peft_base = path
+        return self.peft_base
 
     def finish_pending(self) -> None:
         """Wait for the last async save (raising its error), then apply the rotation it deferred."""
@@ -190,11 +210,12 @@ _HOOKS = ("_save_checkpoint", "save_model", "_load_from_checkpoint", "_load_opti
 _NO_OPS = ("_save_optimizer_and_scheduler", "_save_rng_state", "_save_scaler")
 
 
-def enable(trainer, *, async_save: bool = False, checkpointer: Optional[cp.Checkpointer] = None):
+def enable(trainer, *, async_save: bool = False, checkpointer: Optional[cp.Checkpointer] = None,
+           peft_base: Optional[str] = None, adapters_only: bool = True):
     """Make `trainer` save and resume through ckpt_plugins (see the module docstring). Returns it."""
     from transformers import TrainerCallback
 
-    integration = _Integration(trainer, async_save, checkpointer)
+    integration = _Integration(trainer, async_save, checkpointer, peft_base, adapters_only)
     for name in _HOOKS:
         integration.native[name] = getattr(trainer, name)
         setattr(trainer, name, getattr(integration, name))

@@ -9,15 +9,15 @@ from ckpt_plugins.offline import open_checkpoint, read_tensor
 from ckpt_plugins.state import MASTER, MODEL, root_handler
 
 
-def assert_matches(path, state: dict, weights_only: bool = False) -> int:
-    """Every weight and optimizer tensor of `state` ("model"/"optim" entries) equals the checkpoint's
-    canonical tensor, bit for bit; a weight held in another dtype than stored is compared with its
-    fp32 master. Returns how many fragments were compared."""
+def assert_matches(path, state: dict, weights_only: bool = False, under: tuple = ("",)) -> int:
+    """Every weight and optimizer tensor of `state` ("model"/"optim" entries; keys starting with one
+    of `under`) equals the checkpoint's canonical tensor, bit for bit; a weight held in another dtype
+    than stored is compared with its fp32 master. Returns how many fragments were compared."""
     storage, metadata = open_checkpoint(path)
     items = root_handler({k: v for k, v in state.items() if k in ("model", "optim")}).save_items("")
     cached_key, cached, checked = None, None, 0
     for frag in items.fragments:
-        if weights_only and not frag.key.startswith(f"{MODEL}/"):
+        if (weights_only and not frag.key.startswith(f"{MODEL}/")) or not frag.key.startswith(under):
             continue
         key = metadata.aliases.get(frag.key, frag.key)
         if key.startswith(f"{MODEL}/") and (key not in metadata.tensors or

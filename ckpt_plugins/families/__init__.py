@@ -6,5 +6,6 @@ configs (no framework imported), unit-tested without processes.
   (views) they cut it into.
 - `megatron`: megatron-core parameter names and TP/EP-local layouts ↔ canonical tensors.
 - `hf_experts`: transformers' fused in-memory experts ↔ the per-expert canonical tensors.
+- `peft`: PEFT's wrapped names ↔ the base model's names and the adapters' own.
 - `hf_config`: the HF families' `config.json` ↔ model dimensions.
 """

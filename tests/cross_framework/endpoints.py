@@ -220,3 +220,29 @@ def build(name: str, seed: int, model: str = "llama") -> Endpoint:
 def close(endpoint: Endpoint) -> None:
     if hasattr(endpoint, "close"):
         endpoint.close()
+
+
+def pretrain(rank, world, root, name: str, model: str) -> None:
+    """Two steps of Megatron job `name`, saved at `root/name` with its config.json: a pre-training
+    checkpoint for the post-training tests."""
+    from megatron_ext import hf_config_json
+    import ckpt_plugins as cp
+    endpoint = build(name, 0, model)
+    for i in range(2):
+        endpoint.step(i)
+    cp.save(os.path.join(root, name), {**endpoint.state, "hf_config": hf_config_json(endpoint.model)})
+    close(endpoint)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """The rows of global batches first, first + 1, ... as a Trainer's dataset (labels = inputs)."""
+
+    def __init__(self, first: int, batches: int):
+        self.first, self.batches = first, batches
+
+    def __len__(self):
+        return 4 * self.batches
+
+    def __getitem__(self, i):
+        ids = batch(self.first + i // 4)[i % 4]
+        return {"input_ids": ids, "labels": ids}

@@ -6,32 +6,13 @@ import os
 import subprocess
 import sys
 
-import torch
 
 import ckpt_plugins as cp
 from checkpoint_compare import assert_matches
 from distributed import run_env_ranks, run_ranks
-from endpoints import batch, build, close
+from endpoints import Tokens, build, close, pretrain
 
 BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
-
-
-def pretrain(rank, world, root):
-    from megatron_ext import hf_config_json
-    endpoint = build("megatron_ep2", 0, "qwen3_moe")
-    for i in range(2):
-        endpoint.step(i)
-    cp.save(os.path.join(root, "pretrain"), {**endpoint.state, "hf_config": hf_config_json(endpoint.model)})
-    close(endpoint)
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        ids = batch(10 + i // 4)[i % 4]
-        return {"input_ids": ids, "labels": ids}
 
 
 def finetune(rank, world, root):
@@ -42,7 +23,7 @@ def finetune(rank, world, root):
     args = TrainingArguments(output_dir=os.path.join(root, "finetune"), per_device_train_batch_size=4, max_steps=2,
                              save_strategy="steps", save_steps=2, learning_rate=1e-3, use_cpu=True, report_to=[],
                              seed=0, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(10, 2))
     hf_ext.trainer.enable(trainer)
     trainer.train()
 
@@ -58,8 +39,8 @@ def back_to_megatron(rank, world, root):
 
 def test_megatron_ep_pretraining_to_trainer_finetuning_and_back(tmp_path):
     root = str(tmp_path)
-    run_ranks(2, pretrain, root)
-    out = subprocess.run([BCP, "export", os.path.join(root, "pretrain"), os.path.join(root, "hf"), "--format", "hf"],
+    run_ranks(2, pretrain, root, "megatron_ep2", "qwen3_moe")
+    out = subprocess.run([BCP, "export", os.path.join(root, "megatron_ep2"), os.path.join(root, "hf"), "--format", "hf"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     run_env_ranks(1, finetune, root)
