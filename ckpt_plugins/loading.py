@@ -149,21 +149,22 @@ def load(storage: Storage, state: Dict[str, Any], coord: Coordinator, *, strict:
     keys of both are checked before any data moves. On any rank's failure every rank raises it,
     and the state the load created (optimizer moments) is dropped."""
     main = Load(storage, state, coord, strict=strict, **options)
-    with undone_on_failure([main]):
+    loads = [main]
+    with undone_on_failure(loads):
         result = main.prepare()
         if BASE not in main.metadata.objects:
             main.check(result)
             return main.execute(result)
-    failure, ref, base_storage = None, None, None
-    try:
-        ref = reference(read_object(storage, main.metadata, BASE, None))
-        base_storage = resolve(storage, ref)
-    except Exception as exc:  # every rank must learn of it
-        failure = RankFailure.of(coord.rank, exc)
-    coord.agree(failure, what=main.what, then="Nothing was loaded")
-    entries = sorted({k.split("/")[0] for k in ref.keys})
-    base = Load(base_storage, {e: state[e] for e in entries if e in state}, coord, strict=False, **options)
-    with undone_on_failure([main, base]):
+        failure, ref, base_storage = None, None, None
+        try:
+            ref = reference(read_object(storage, main.metadata, BASE, None))
+            base_storage = resolve(storage, ref)
+        except Exception as exc:  # every rank must learn of it
+            failure = RankFailure.of(coord.rank, exc)
+        coord.agree(failure, what=main.what, then="Nothing was loaded")
+        entries = sorted({k.split("/")[0] for k in ref.keys})
+        base = Load(base_storage, {e: state[e] for e in entries if e in state}, coord, strict=False, **options)
+        loads.append(base)
         below = base.prepare()
         leftover = set(below.missing_keys)
         result.missing_keys = [k for k in result.missing_keys if k in leftover or k.split("/")[0] not in entries]
