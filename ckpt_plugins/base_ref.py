@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from .committed import read_metadata
 from .errors import CheckpointError, CorruptCheckpointError
-from .format import METADATA_FILE
+from .format import METADATA_FILE, dtype_name
 from .state import SaveItems
 from .storage import LocalStorage, Storage, storage_for
 
@@ -51,7 +51,6 @@ def _local(storage: Storage) -> Optional[str]:
 def leave_to_base(items: SaveItems, base, storage: Storage) -> None:
     """Drop from `items` the frozen tensors `base` holds alike (same shape and dtype), and add the
     reference. Raises if `base` is not a committed checkpoint."""
-    from .format import dtype_name
     base_storage = storage_for(base)
     metadata = read_metadata(base_storage)
     kept, left = [], set()

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .base_ref import leave_to_base
 from .commit import Commit
 from .coordinator import Coordinator
 from .engine.write import StagedWrite, StageItem
@@ -29,7 +30,6 @@ from .plan import place, specs_of
 from .plan_cache import CachedPlan, PlanCache
 from .results import SaveHandle
 from .staging import StagingPool, StagingSlot
-from .base_ref import leave_to_base
 from .state import root_handler
 from .storage import Storage
 from .telemetry import TELEMETRY_FILE, RankTelemetry, Recorder, backend_of, checkpoint_file, summary

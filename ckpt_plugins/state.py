@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from .errors import LoadMismatchError
+from .families.peft import config_key
 from .format import Metadata
 from .fragment import FlatPiece, Fragment
 from .hostmem import advise_huge_pages
-from .families.peft import config_key
 from .tensor_map import IDENTITY, TensorMap, is_dtensor, is_peft_model, tensor_fragments, tensor_map
 
 log = logging.getLogger(__name__)

@@ -62,6 +62,9 @@ def local_box(key: str, tensor: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, 
 
 def tensor_fragments(key: str, tensor: torch.Tensor) -> List[Fragment]:
     """The fragment of a plain tensor (whole, replicated) or of a DTensor's local shard."""
+    if not is_dtensor(tensor):  # the common case, once per tensor per save: no box to clip
+        tensor = tensor.detach()
+        return [Fragment(key, tuple(tensor.shape), tensor.dtype, (0,) * tensor.dim(), tensor)]
     local, offsets = local_box(key, tensor)
     frag = box_fragment(key, tuple(tensor.shape), offsets, local)
     return [frag] if frag is not None else [Fragment(key, tuple(tensor.shape), tensor.dtype, offsets, local)]

@@ -50,7 +50,7 @@ def _layers(path) -> List[Tuple[Storage, Metadata]]:
 
 
 def _holder(layers, key: str):
-    return next(((st, md) for st, md in layers if md.aliases.get(key, key) in md.tensors), (None, None))
+    return next((st, md) for st, md in layers if key in md.tensors)
 
 
 def export_hf(path, out_dir: str, *, max_shard_bytes: int = 5 << 30, dtype: Optional[torch.dtype] = None,

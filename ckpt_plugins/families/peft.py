@@ -59,7 +59,7 @@ def adapted_weight(stored: str) -> Tuple[str, str, str]:
     return adapter, weight, kind
 
 
-_FILE_KIND = re.compile(r"(.+)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.(\w+))?")
+_FILE_KIND = re.compile(rf"(.+)\.({'|'.join(k for k in _KINDS if k != 'modules_to_save')})(?:\.(\w+))?")
 
 
 def config_key(adapter: str) -> str:
