@@ -80,33 +80,43 @@ class Save:
         """Fragments, the lock and the plan. `copy_early`: copy with this rank's cached plan while
         the ranks agree that every cached plan still holds (an async save's stall then pays no
         agreement). Raises on every rank if any rank failed; nothing is then held."""
-        t0 = time.time()
-        info, coord = self.handle.info, self.coord
+        self.collect()
+        self.plan(copy_early)
+
+    def collect(self) -> None:
+        """This rank's fragments and encoded objects, and (on the coordinator) the save lock; in the
+        caller's thread, the only one that may read a framework's state. A failure is kept for
+        `plan` to pass on: every rank must learn of it, or the others would wait forever."""
+        self._t0, coord = time.time(), self.coord
         coord.begin()
-        before = coord.collectives
-        failure, fragments, aliases, self.objects = None, [], {}, []
+        self._collectives_before = coord.collectives
+        self.failure, self.fragments, self.aliases, self.objects = None, [], {}, []
         try:
             items = root_handler(self.state).save_items("")
             if self.base is not None:
                 leave_to_base(items, self.base, self.storage)
-            fragments, aliases = items.fragments, items.aliases
+            self.fragments, self.aliases = items.fragments, items.aliases
             mine = [(kv, None) for kv in items.objects.items()] if coord.is_coordinator else []
             for (key, value), rank in mine + [(kv, coord.rank) for kv in items.per_rank.items()]:
                 self.objects.append((key, *encode_object(value), rank))
-            if coord.is_coordinator:
+            if coord.is_coordinator and self.storage is not None:
                 with self.recorder.phase("lock"):
                     self.commit = Commit.open(self.storage, self.overwrite)
-        except Exception as exc:  # every rank must learn of it, or the others would wait forever
-            failure = RankFailure.of(coord.rank, exc)
-        self.fragments = fragments
+        except Exception as exc:
+            self.failure = RankFailure.of(coord.rank, exc)
         self.placed, _ = place([len(o[2]) for o in self.objects], [f"{DATA_DIR}/r{coord.rank}-objects.bin"])
+
+    def plan(self, copy_early: bool) -> None:
+        """Agree on the plan (collective; cached while the fragments' structure holds)."""
+        info, coord = self.handle.info, self.coord
 
         def early(cached: CachedPlan) -> None:
             self.job = self._staged(cached)
             self._copy()
 
         try:
-            self.cached, info.plan_cached = self.cache.plan(coord, specs_of(fragments), aliases, failure, self.what,
+            self.cached, info.plan_cached = self.cache.plan(coord, specs_of(self.fragments), self.aliases,
+                                                            self.failure, self.what,
                                                             meanwhile=early if copy_early else None)
         except CheckpointError as exc:  # every failed save is a SaveError (a lost rank's PeerLost inside)
             self.release()
@@ -121,10 +131,11 @@ class Save:
             self._release_slot()  # copied for a plan another rank's change made stale: copy again
             self.job = self._staged(self.cached)
         info.rank_bytes, info.balance = sum(item.nbytes for item in self.job.items), self.cached.balance
-        info.collectives = coord.collectives - before
+        info.collectives = coord.collectives - self._collectives_before
         end = time.time()
         copying = self.recorder.record.phase("snapshot") if self._copied_early else None
-        self.recorder.add("plan", t0, end, busy=end - t0 - (copying.wall if copying else 0.0), cached=info.plan_cached)
+        self.recorder.add("plan", self._t0, end, busy=end - self._t0 - (copying.wall if copying else 0.0),
+                          cached=info.plan_cached)
 
     def _staged(self, cached: CachedPlan) -> StagedWrite:
         frags = self.fragments
@@ -148,9 +159,9 @@ class Save:
     def _copy(self) -> None:
         job = self.job
         try:
-            pin = any(isinstance(i.source, torch.Tensor) and i.source.device.type == "cuda" for i in job.items)
-            with self.recorder.phase("staging"):  # may wait for an earlier save's slot
-                self.slot = self.pool.acquire(job.nbytes, pin=pin)
+            t = time.time()  # may wait for an earlier save's slot, or allocate and touch one
+            self.slot = self.pool.acquire(job.nbytes, pin=job.pinned)
+            self.recorder.add("staging", t, time.time(), self.slot.fresh_bytes)
             with self.recorder.phase("snapshot", sum(i.nbytes for i in job.items)):
                 job.snapshot(self.slot.buffer, threads=torch.get_num_threads())
         except BaseException as exc:

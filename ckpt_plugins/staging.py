@@ -12,20 +12,26 @@ from typing import List, Optional
 
 import torch
 
-from .hostmem import align_up, aligned_empty
+from .hostmem import PAGE, align_up, aligned_empty
 
 
 class StagingSlot:
     def __init__(self, pool: "StagingPool", index: int):
         self.pool, self.index = pool, index
         self.buffer: Optional[torch.Tensor] = None  # uint8, page aligned
+        self.fresh_bytes = 0  # what the last acquire allocated and touched (0: reused)
 
-    def ensure(self, nbytes: int, pin: bool) -> torch.Tensor:
-        """A buffer of at least `nbytes`; grows (reallocates and touches) only when too small."""
+    def ensure(self, nbytes: int, pin: bool, limit: Optional[int] = None) -> torch.Tensor:
+        """A buffer of at least `nbytes`; grows (reallocates and touches) only when too small, then
+        with room for objects that grow between saves (RNG states, schedulers, client state): a
+        slot that grows is faulted in again, the cost a warm-up took off the first save."""
+        self.fresh_bytes = 0
         if self.buffer is None or self.buffer.numel() < nbytes or (pin and not self.buffer.is_pinned()):
             self.buffer = None  # release before allocating: the cap counts both
-            self.buffer = aligned_empty(nbytes, pin)
+            room = nbytes + nbytes // 64
+            self.buffer = aligned_empty(room if limit is None else max(nbytes, min(room, limit)), pin)
             self.buffer.zero_()  # touch every page now, not during a snapshot
+            self.fresh_bytes = self.buffer.numel()
         return self.buffer
 
     def release(self) -> None:
@@ -67,7 +73,7 @@ class StagingPool:
                 self._cond.wait()
         if single:
             self._slots[1].buffer = None
-        slot.ensure(nbytes, pin)
+        slot.ensure(nbytes, pin, None if self.cap_bytes is None else self.cap_bytes // (1 if single else 2) // PAGE * PAGE)
         return slot
 
     def _release(self, slot: StagingSlot) -> None:

@@ -82,9 +82,22 @@ class Hooks:
     def __init__(self, engine, options: Dict[str, Any]):
         self.engine = engine
         self.async_save = bool(options.get("async", False))
-        self.native_load = engine.load_checkpoint
+        self.native_load, self.native_step = engine.load_checkpoint, engine.step
         self.checkpointer = cp.checkpointer()
         self.unlogged: list = []  # SaveInfo or SaveHandle of saves not yet in the monitor
+        self.warm = bool(options.get("warm_up", True))
+
+    def step(self, *args, **kwargs):
+        """DeepSpeed's step; after the first optimizer step, the first save's one-time costs (plan,
+        staging) in the background (`Checkpointer.warm_up`), unless the config says `"warm_up": false`."""
+        result = self.native_step(*args, **kwargs)
+        if self.warm and self.engine.global_steps >= 1:
+            self.warm = False
+            self.checkpointer.warm_up(self.state({}))
+        return result
+
+    def state(self, client_state) -> Dict[str, Any]:
+        return {**engine_state(self.engine), "client_state": ClientState(client_state)}
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
                         exclude_frozen_parameters=False):
@@ -95,13 +108,12 @@ class Hooks:
             log.warning("exclude_frozen_parameters is ignored: ckpt_plugins always stores frozen parameters")
         tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
         path = os.path.join(save_dir, tag)
-        state = {**engine_state(engine), "client_state": ClientState(client_state)}
 
         def write_latest() -> None:  # only once the checkpoint is whole
             if save_latest:
                 storage_for(save_dir).put_atomic(LATEST, tag.encode())
 
-        result = self.checkpointer.save(path, state, async_=self.async_save, framework="deepspeed",
+        result = self.checkpointer.save(path, self.state(client_state), async_=self.async_save, framework="deepspeed",
                                         layout=layout(engine), step=int(engine.global_steps), overwrite=True,
                                         on_commit=write_latest)
         self.unlogged.append(result)
@@ -150,5 +162,6 @@ def enable(engine, options: Optional[Dict[str, Any]] = None):
     hooks = Hooks(engine, options or {})
     engine.save_checkpoint = hooks.save_checkpoint
     engine.load_checkpoint = hooks.load_checkpoint
+    engine.step = hooks.step
     engine._ckpt_plugins = hooks
     return engine

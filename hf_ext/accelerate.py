@@ -4,6 +4,7 @@
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     hf_ext.accelerate.save_state(accelerator, "ckpt/step_100", step=100)     # instead of save_state
     hf_ext.accelerate.load_state(accelerator, "ckpt/step_100")               # instead of load_state
+    hf_ext.accelerate.warm_up(accelerator)   # once, after the first step: a first save as fast as the rest
 
 What `Accelerator.save_state` keeps, in ckpt_plugins form: every prepared model, optimizer and
 LR scheduler (the first of each under `model`/`optim`/`sched`, further ones `model_1`, ...), the
@@ -51,6 +52,23 @@ def accelerator_state(accelerator, rng: bool = True) -> Dict[str, Any]:
     return state
 
 
+def saved_state(accelerator) -> Dict[str, Any]:
+    """What `save_state` passes to ckpt_plugins: `accelerator_state` and the first model's HF config."""
+    state = accelerator_state(accelerator)
+    if accelerator._models:
+        config = getattr(accelerator.unwrap_model(accelerator._models[0]), "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            state[HF_CONFIG] = config.to_json_string()
+    return state
+
+
+def warm_up(accelerator) -> None:
+    """Call once after the first optimizer step: the first `save_state`'s one-time costs (its plan,
+    its staging memory faulted in) then run in the background, beside the next steps, and that
+    save is as fast as any later one (`Checkpointer.warm_up`)."""
+    cp.checkpointer().warm_up(saved_state(accelerator))
+
+
 def save_state(accelerator, path, *, step=None, async_: bool = False, **options):
     """Save what `accelerator` tracks to `path` (every process calls it). `async_=True` returns a
     handle once the snapshot is taken; call `handle.wait()` before relying on the checkpoint.
@@ -58,12 +76,7 @@ def save_state(accelerator, path, *, step=None, async_: bool = False, **options)
     Each save's stall, time to commit, size and throughput go to the accelerator's trackers
     (`accelerator.log`, after `init_trackers`): a sync save's at once, an async one's at the
     first save_state after it committed."""
-    state = accelerator_state(accelerator)
-    if accelerator._models:
-        config = getattr(accelerator.unwrap_model(accelerator._models[0]), "config", None)
-        if config is not None and hasattr(config, "to_json_string"):
-            state[HF_CONFIG] = config.to_json_string()
-    result = cp.save(path, state, step=step, async_=async_, framework="accelerate",
+    result = cp.save(path, saved_state(accelerator), step=step, async_=async_, framework="accelerate",
                      layout={"num_processes": accelerator.num_processes}, **options)
     unlogged = accelerator.__dict__.setdefault("_ckpt_plugins_unlogged", [])
     unlogged.append(result)

@@ -62,6 +62,7 @@ class _Integration:
         self.in_checkpoint = False
         self.pending: Optional[cp.SaveHandle] = None
         self.pending_rotation = None
+        self.warmed = False
 
     def ckpt(self) -> cp.Checkpointer:
         return self.checkpointer or cp.checkpointer()
@@ -104,9 +105,7 @@ class _Integration:
             return self.native["save_model"](output_dir, _internal_call)
         t = self.trainer
         output_dir = output_dir or t.args.output_dir
-        state = self.state(with_training_state=not t.args.save_only_model)
-        state[HF_CONFIG] = _config_json(t)
-        result = self.ckpt().save(output_dir, state, async_=self.async_save, framework="hf-trainer",
+        result = self.ckpt().save(output_dir, self.saved_state(), async_=self.async_save, framework="hf-trainer",
                                   layout={"world_size": t.args.world_size}, step=t.state.global_step,
                                   base=self.base())
         if self.async_save:
@@ -116,13 +115,36 @@ class _Integration:
         if t.args.should_save:
             _save_side_files(t, output_dir)
 
-    def base(self) -> Optional[str]:
-        """The base checkpoint a PEFT model's adapter-only saves refer to (None: save everything)."""
+    def saved_state(self) -> Dict[str, Any]:
+        """What a checkpoint save passes to ckpt_plugins."""
+        state = self.state(with_training_state=not self.trainer.args.save_only_model)
+        state[HF_CONFIG] = _config_json(self.trainer)
+        return state
+
+    def warm_up(self) -> None:
+        """After the first optimizer step, the first checkpoint save's one-time costs (plan, staging)
+        in the background (`Checkpointer.warm_up`). Not when the run saves no checkpoints, nor while
+        a PEFT run's base checkpoint is still to be written (its first save writes it)."""
+        self.warmed = True
+        base = self.base(write=False)
+        if self.trainer.args.save_strategy == "no" or (base is None and self.needs_base()):
+            return
+        self.ckpt().warm_up(self.saved_state(), base=base)
+
+    def needs_base(self) -> bool:
         t = self.trainer
-        if not (self.adapters_only and is_peft_model(t.accelerator.unwrap_model(t.model))):
+        return self.adapters_only and is_peft_model(t.accelerator.unwrap_model(t.model))
+
+    def base(self, write: bool = True) -> Optional[str]:
+        """The base checkpoint a PEFT model's adapter-only saves refer to (None: save everything),
+        written at the first save unless `peft_base` named one."""
+        t = self.trainer
+        if not self.needs_base():
             return None
         if self.peft_base is None:
             path = os.path.join(t.args.output_dir, "base")
+            if not write:
+                return path if cp.is_checkpoint(path) else None
             if not cp.is_checkpoint(path):
                 self.ckpt().save(path, {"model": t.model}, framework="hf-trainer")
             self.peft_base = path
@@ -222,10 +244,14 @@ def enable(trainer, *, async_save: bool = False, checkpointer: Optional[cp.Check
     for name in _NO_OPS:
         setattr(trainer, name, integration._nothing)
 
-    class _FinishSaves(TrainerCallback):
+    class _Saves(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if not integration.warmed:
+                integration.warm_up()
+
         def on_train_end(self, args, state, control, **kwargs):
             integration.on_train_end()
 
-    trainer.add_callback(_FinishSaves())
+    trainer.add_callback(_Saves())
     trainer._ckpt_plugins = integration
     return trainer

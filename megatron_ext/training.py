@@ -105,9 +105,9 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far):
-    from megatron.training import get_args
-    args = get_args()
+def saved_state(args, iteration, model, optimizer, opt_param_scheduler,
+                num_floating_point_operations_so_far) -> Dict[str, Any]:
+    """What a save passes to ckpt_plugins."""
     vocab, family = _real_vocab(args), getattr(args, "ckpt_hf_family", None)
     state: Dict[str, Any] = {"model": MegatronModel(model, vocab, family),
                              "megatron": RunState(iteration, num_floating_point_operations_so_far, args)}
@@ -120,6 +120,13 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
             state["sched"] = opt_param_scheduler
     if not args.no_save_rng:
         state["rng"], state["rng_tracker"] = cp.RNGState(), TrackerRNG()
+    return state
+
+
+def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far):
+    from megatron.training import get_args
+    args = get_args()
+    state = saved_state(args, iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
 
     def write_tracker() -> None:  # only once the checkpoint is whole
         storage_for(args.save).put_atomic(TRACKER, str(iteration).encode())
@@ -139,6 +146,15 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
 
 
 _unlogged: list = []  # SaveInfo or SaveHandle of saves whose figures are not logged yet
+
+
+def warm_up(model, optimizer, opt_param_scheduler) -> None:
+    """The first save's one-time costs (plan, staging) now, in the background: call it once after
+    the first optimizer step (`install()` does, after Megatron's first `train_step`, when the run
+    saves: `--save` and `--save-interval`)."""
+    from megatron.training import get_args
+    args = get_args()
+    cp.checkpointer().warm_up(saved_state(args, 0, model, optimizer, opt_param_scheduler, 0.0))
 
 
 def _log_save(info: cp.SaveInfo) -> None:
@@ -251,6 +267,17 @@ def install() -> None:
             return native_load(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *rest, **kwargs)
         return result
 
+    native_step, warm = training.train_step, []
+
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *rest, **kwargs):
+        result = native_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *rest, **kwargs)
+        args = get_args()
+        if not warm and ours() and args.save and args.save_interval:
+            warm.append(True)
+            warm_up(model, optimizer, opt_param_scheduler)
+        return result
+
     save_checkpoint.ckpt_plugins = load_checkpoint.ckpt_plugins = True
     for module in (checkpointing, training):  # training imported them by name
         module.save_checkpoint, module.load_checkpoint = save_checkpoint, load_checkpoint
+    training.train_step = train_step

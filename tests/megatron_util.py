@@ -358,3 +358,30 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
     dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
     return torch.cat(parts, dim=-1)
+
+
+def megatron_train_step(model, optimizer, scheduler, step_index: int) -> None:
+    """One step through Megatron's own `megatron.training.training.train_step` (what pretrain()
+    calls, and what `megatron_ext.training.install()` wraps), on batch `step_index`."""
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator, unset_num_microbatches_calculator
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.training import get_args, global_vars, training
+
+    args = get_args()
+    ps = _ps()
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mbs = args.micro_batch_size
+    unset_num_microbatches_calculator()
+    init_num_microbatches_calculator(dist.get_rank(), None, GLOBAL_BATCH, mbs, dp)
+    if global_vars._GLOBAL_TIMERS is None:
+        global_vars._set_timers(args)
+    rows = global_batch(step_index, unwrap(model).vocab_size)
+    per_dp = GLOBAL_BATCH // dp
+    local = rows[dp_rank * per_dp:(dp_rank + 1) * per_dp]
+    micro = iter([local[i * mbs:(i + 1) * mbs] for i in range(per_dp // mbs)])
+    config = model.config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    training.train_step(_forward_step, micro, [model], optimizer, scheduler, config, get_forward_backward_func(),
+                        iteration=step_index)

@@ -154,6 +154,49 @@ def test_plan_cache_skips_planning_collectives(tmp_path):
     assert_loads_as(tmp_path / "c1", values(make(seed=0)))
 
 
+class Unreadable:
+    """An object whose state cannot be taken (a broken framework object)."""
+
+    def state_dict(self):
+        raise RuntimeError("this state cannot be read")
+
+    def load_state_dict(self, state):
+        pass
+
+
+def warm_up_worker(rank, world, root):
+    import logging
+    model = make(seed=0)
+    # one rank's warm-up fails: every rank learns of it in the background, logs it, and goes on
+    ckpt = cp.Checkpointer()
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("ckpt_plugins").addHandler(handler)
+    ckpt.warm_up({"model": model, **({"broken": Unreadable()} if rank == 1 else {})})
+    ckpt.load(f"{root}/before", {"model": make(seed=3)})  # waits for the warm-up: never interleaves with it
+    assert any("warm-up failed" in w and "this state cannot be read" in w for w in warnings), warnings
+    assert ckpt.pool.allocated_bytes == 0
+    first = ckpt.save(f"{root}/cold", {"model": model})
+    assert not first.plan_cached and first.telemetry.phase("staging").bytes > 0  # it did the work itself
+    # a warm-up beside training: the first save then plans nothing and faults nothing in
+    ckpt = cp.Checkpointer()
+    ckpt.warm_up({"model": model})
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # training goes on meanwhile
+    expected = values(model)
+    info = ckpt.save(f"{root}/warm", {"model": model})
+    assert info.plan_cached and info.collectives == 1 and info.telemetry.phase("staging").bytes == 0
+    assert ckpt.pool.allocated_bytes >= info.rank_bytes
+    torch.save(expected, f"{root}/expected.pt")
+
+
+def test_warm_up_takes_the_first_saves_costs_and_its_failure_only_logs(tmp_path):
+    cp.save(tmp_path / "before", {"model": make(seed=3)})
+    run_ranks(2, warm_up_worker, str(tmp_path))
+    assert_loads_as(tmp_path / "warm", torch.load(tmp_path / "expected.pt"))
+
+
 def speculation_worker(rank, world, root):
     """An async save copies with its cached plan while the ranks agree on it, and copies again when
     another rank's structure made the plan stale."""

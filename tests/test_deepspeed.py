@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import ckpt_plugins as cp
+from ckpt_plugins.storage import storage_for
+from ckpt_plugins.trace import load_telemetry
 import ds_util
 from distributed import run_env_ranks
 
@@ -126,6 +128,9 @@ def ds_to_fsdp2_and_back(rank, world, root):
         ds_util.step(eng, i)
     eng.save_checkpoint(root, tag="ds")
     ref = ds_util.full_state(eng)
+    # the engine's first step warmed the first save up: plan cached, staging faulted in already
+    for r in load_telemetry(storage_for(os.path.join(root, "ds")))["ranks"]:
+        assert r.phase("plan").info["cached"] and r.phase("staging").bytes == 0, r
     model = tiny_llama(1)
     model.model.layers[0].input_layernorm.weight.requires_grad_(False)
     for layer in model.model.layers:

@@ -7,6 +7,8 @@ import sys
 import torch
 
 import ckpt_plugins as cp
+from ckpt_plugins.storage import storage_for
+from ckpt_plugins.trace import load_telemetry
 from distributed import run_env_ranks
 from hf_models import assert_same, batch, full_state, tiny_llama, train_step
 
@@ -115,9 +117,12 @@ def accelerate_run(rank, world, path, ref_path, resume):
         return accelerator.gather(loss.detach().reshape(1)).mean().item()
 
     if not resume:
-        for i in range(2):
-            step(i)
+        step(0)
+        hacc.warm_up(accelerator)
+        step(1)
         hacc.save_state(accelerator, path, step=2)
+        for r in load_telemetry(storage_for(str(path)))["ranks"]:  # rank 0 holds every rank's record
+            assert r.phase("plan").info["cached"] and r.phase("staging").bytes == 0, r  # warmed up
         ref = full_state(accelerator.unwrap_model(model), opt.optimizer)
         sched_state, counter = sched.state_dict(), accelerator.step
         loss = step(2)

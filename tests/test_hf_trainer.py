@@ -7,6 +7,8 @@ import shutil
 import torch
 
 import ckpt_plugins as cp
+from ckpt_plugins.storage import storage_for
+from ckpt_plugins.trace import load_telemetry
 from distributed import run_env_ranks
 from hf_models import SEQ, VOCAB, tiny_llama
 
@@ -75,6 +77,9 @@ def test_trainer_saves_through_ckpt_plugins_and_resumes_on_any_process_count(tmp
     assert all(h["ckpt/stall_s"] > 0 and h["ckpt/save_gib"] > 0 and h["ckpt/commit_s"] > 0 for h in full["saves"])
     # the Trainer's TensorBoard callback, in its default log dir, with its "train/" prefix
     assert sorted(tensorboard_scalars(run / "runs", "train/ckpt/stall_s")) == [2, 4, 6]
+    # the warm-up after step 1 planned the first save and faulted its staging in beside training
+    for r in load_telemetry(storage_for(str(run / "checkpoint-2")))["ranks"]:
+        assert r.phase("plan").info["cached"] and r.phase("staging").bytes == 0, r
 
     for world in (2, 1):
         out = tmp_path / f"resume{world}"

@@ -8,6 +8,8 @@ import sys
 import torch
 
 import ckpt_plugins as cp
+from ckpt_plugins.storage import storage_for
+from ckpt_plugins.trace import load_telemetry
 from distributed import run_ranks
 
 
@@ -63,9 +65,9 @@ def hook_worker(rank, world, root, native):
     model = mu.build_gpt(0, dtype=torch.bfloat16)
     opt = mu.build_optimizer(model)
     sched = mu.build_scheduler(opt)
-    for step in range(2):
-        mu.train_step(model, opt, step)
-        sched.step(increment=4)
+    mu.megatron_train_step(model, opt, sched, 0)  # Megatron's own, as pretrain() runs it: warms the first save up
+    mu.train_step(model, opt, 1)
+    sched.step(increment=4)
     args.consumed_train_samples = 8
     args.ckpt_backend, args.save = "native", native  # Megatron's own torch_dist, for the import test
     training.save_checkpoint(2, [model], opt, sched, 123.0)
@@ -74,6 +76,8 @@ def hook_worker(rank, world, root, native):
     with open(os.path.join(root, bcp.TRACKER)) as f:
         assert f.read() == "2"
     assert cp.read_metadata(os.path.join(root, "iter_0000002")).framework == "megatron"
+    for r in load_telemetry(storage_for(os.path.join(root, "iter_0000002")))["ranks"]:
+        assert r.phase("plan").info["cached"] and r.phase("staging").bytes == 0, r  # warmed up
     draws = torch.rand(3)
     losses = [mu.train_step(model, opt, 2 + i) for i in range(2)]
     mu.destroy()

@@ -57,6 +57,11 @@ class StagedWrite:
         self._failed: Optional[BaseException] = None
         self._cond = threading.Condition()
 
+    @property
+    def pinned(self) -> bool:
+        """Whether staging must be pinned: some source lives on a GPU."""
+        return any(isinstance(i.source, torch.Tensor) and i.source.device.type == "cuda" for i in self.items)
+
     def snapshot(self, buffer: torch.Tensor, threads: int = 1) -> None:
         """Copy every item into `buffer` (>= self.nbytes). Afterwards the sources may change.
 
