@@ -141,8 +141,12 @@ class Methods:
             self.bcp_error = f"{type(exc).__name__}: {exc}"
         self.dcp_planner = None
 
+    @staticmethod
+    def wanted(name: str, only) -> bool:
+        return not only or name in only
+
     def available(self, name: str) -> bool:
-        return (name != "bytecheckpoint" or self.bcp is not None) and (not self.only or name in self.only)
+        return (name != "bytecheckpoint" or self.bcp is not None) and self.wanted(name, self.only)
 
     def save(self, name: str, path: str, model, opt):
         """Start a save; returns (object to finish it, or None). The call's duration is the stall."""
@@ -248,10 +252,24 @@ class Limits:
         self.aligned = memoryview(raw[off:off + nbytes // 4096 * 4096].fill_(7).numpy())  # keeps raw alive
 
     def memcpy(self) -> float:
-        """`copy_` of the bytes into already-touched memory (every rank at once)."""
+        """The copy limit: the best of `copy_` and the streaming copy the snapshot uses
+        (`hostmem.stream_copy`), into already-touched memory (every rank at once)."""
+        from ckpt_plugins import hostmem
         barrier()
         t = time.perf_counter()
         self.dst.copy_(self.src)
+        plain = time.perf_counter() - t
+        barrier()
+        t = time.perf_counter()
+        hostmem.stream_copy(self.dst.data_ptr(), self.src.data_ptr(), self.src.numel() * 4)
+        return min(plain, time.perf_counter() - t)
+
+    def first_touch(self, nbytes: int) -> float:
+        """Faulting in `nbytes` of fresh memory (every rank at once): what a load into a freshly
+        built model pays to create optimizer state the model does not have yet."""
+        barrier()
+        t = time.perf_counter()
+        torch.empty(nbytes, dtype=torch.uint8).zero_()
         return time.perf_counter() - t
 
     def write(self) -> float:
@@ -266,19 +284,32 @@ class Limits:
         return time.perf_counter() - t
 
     def read(self) -> tuple:
-        """Cold sequential reads of `write`'s file into touched memory, 8 MiB per call: with O_DIRECT
-        (the device's own speed, 2-3x what reading through the page cache gave here), then through
-        the page cache, evicted first (how torch.load, DCP and most tools read). Returns both."""
+        """Cold reads of `write`'s file into touched memory: the way the loader reads (its read
+        threads at once, its piece size, O_DIRECT), then one sequential reader through the page
+        cache, evicted first (how torch.load, DCP and most tools read). Returns both."""
+        import inspect
+        from concurrent.futures import ThreadPoolExecutor
+        import ckpt_plugins as cp
+        from ckpt_plugins.engine.read import READ_PIECE
+        threads = inspect.signature(cp.Checkpointer).parameters["read_threads"].default
+        pieces = range(0, len(self.aligned), READ_PIECE)
         times = []
-        for flags in (os.O_DIRECT, 0):
-            drop_cache(self.path)
-            barrier()
-            t = time.perf_counter()
-            fd = os.open(self.path, os.O_RDONLY | flags)
-            for i in range(0, len(self.aligned), 8 << 20):
-                os.preadv(fd, [self.aligned[i:i + (8 << 20)]], i)
-            os.close(fd)
-            times.append(time.perf_counter() - t)
+        drop_cache(self.path)
+        barrier()
+        t = time.perf_counter()
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda i: os.preadv(fd, [self.aligned[i:i + READ_PIECE]], i), pieces))
+        os.close(fd)
+        times.append(time.perf_counter() - t)
+        drop_cache(self.path)
+        barrier()
+        t = time.perf_counter()
+        fd = os.open(self.path, os.O_RDONLY)
+        for i in range(0, len(self.aligned), 8 << 20):
+            os.preadv(fd, [self.aligned[i:i + (8 << 20)]], i)
+        os.close(fd)
+        times.append(time.perf_counter() - t)
         os.remove(self.path)
         return tuple(times)
 
@@ -295,7 +326,9 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
     methods = Methods(world, args.methods)
     reference = local_state(model, opt)
     rank_bytes = sum(t.numel() * t.element_size() for t in reference.values())
-    results = {"rank_bytes": rank_bytes, "limits": {"memcpy": [], "write": [], "read": [], "read_cached": []},
+    opt_bytes = sum(t.numel() * t.element_size() for k, t in reference.items() if k.startswith("o/"))
+    results = {"rank_bytes": rank_bytes, "opt_bytes": opt_bytes,
+               "limits": {"memcpy": [], "write": [], "read": [], "read_cached": [], "first_touch": []},
                "methods": {}}
     if rank == 0 and methods.bcp is None:
         results["bytecheckpoint_error"] = methods.bcp_error
@@ -306,6 +339,16 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
         return t.item()
 
     available = [m for m in METHODS if methods.available(m)]
+    # The table is the steady state: ours warmed up as the framework hooks do after the first
+    # step, and every method's first save made (unmeasured) before the repetitions. First saves
+    # are measured apart, each in a fresh process tree (first_saves).
+    methods.ckpt.warm_up({"model": model, "optim": opt})
+    for name in available:
+        methods.finish(methods.save(name, os.path.join(root, f"unmeasured_{name}"), model, opt))
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(os.path.join(root, f"unmeasured_{name}"), ignore_errors=True)
+        release_memory()
     limits = Limits(root, rank_bytes)
     for rep in range(args.reps):
         results["limits"]["write"].append(slowest(limits.write()))
@@ -332,7 +375,9 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
         direct, cached = limits.read()
         results["limits"]["read"].append(slowest(direct))
         results["limits"]["read_cached"].append(slowest(cached))
-        for name in available[rep % len(available):] + available[:rep % len(available)]:
+        results["limits"]["first_touch"].append(slowest(limits.first_touch(opt_bytes)))
+        release_memory()
+        for name in (available[rep % len(available):] + available[:rep % len(available)]) * args.load_rounds:
             res = results["methods"][name]
             path = os.path.join(root, f"{name}_{rep}")
             # the same layout, then another one at the same world size: FSDP2 sharding every
@@ -352,9 +397,10 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
                 del fresh, fresh_opt, got
                 release_memory()
             dist.barrier()
+        for name in available:
             keep = rep == args.reps - 1  # the last checkpoint of each method is loaded 2 -> 1 by the parent
             if rank == 0 and not keep:
-                shutil.rmtree(path, ignore_errors=True)
+                shutil.rmtree(os.path.join(root, f"{name}_{rep}"), ignore_errors=True)
         # Training-loop overhead: each method's loop right after the same loop without saves. A
         # save every k steps, never after the last step; the clock stops when the last step ends,
         # so what a method delays (blocking, waiting for its snapshot or for the previous commit)
@@ -396,6 +442,63 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
     dist.destroy_process_group()
 
 
+def first_save_worker(rank: int, world: int, port: int, args, name: str, warm: bool, out_path: str) -> None:
+    """One method's first save in a fresh process tree: build, one training step, (ours, `warm`:
+    the warm-up the framework hooks run after the first step), two more steps, then the save."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, opt = build(args.layers, fsdp=True)
+    train_step(model, opt, 0)
+    methods = Methods(world, [name])
+    if not methods.available(name):
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump({"error": methods.bcp_error}, f)
+        dist.destroy_process_group()
+        return
+    if warm:
+        methods.ckpt.warm_up({"model": model, "optim": opt})
+    dist.barrier()
+    t0 = time.perf_counter()
+    for step in (1, 2):
+        train_step(model, opt, step)
+    steps = time.perf_counter() - t0
+    path = os.path.join(args.root, f"first_{name}")
+    dist.barrier()
+    t0 = time.perf_counter()
+    pending = methods.save(name, path, model, opt)
+    stall = time.perf_counter() - t0
+    methods.before_step(pending)
+    methods.finish(pending)
+    commit = time.perf_counter() - t0
+    out = [max(v, 0.0) for v in (stall, commit, steps)]
+    t = torch.tensor(out, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(dict(zip(("stall", "commit", "steps"), t.tolist())), f)
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+    if methods.ckpt is not None:
+        methods.ckpt.close()
+    dist.destroy_process_group()
+
+
+def first_saves(args, root: str, methods: list) -> dict:
+    """Every method's first save, each in its own fresh process tree; ours also without the warm-up."""
+    out = {}
+    for name in methods:
+        for warm in ((True, False) if name.startswith("ours") else (False,)):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            path = os.path.join(root, "first.json")
+            mp.spawn(first_save_worker, args=(2, port, args, name, warm, path), nprocs=2, join=True)
+            with open(path) as f:
+                out[name + ("" if warm or not name.startswith("ours") else " (no warm-up)")] = json.load(f)
+    return out
+
+
 def full_reference(model, opt):
     named = dict(model.named_parameters())
     out = {f"p/{n}": p.full_tensor() for n, p in named.items()}
@@ -415,13 +518,17 @@ def resharded_loads(args, root: str, methods_run) -> dict:
     reference = torch.load(os.path.join(root, "reference.pt"))
     methods = Methods(1, args.methods)
     total = sum(t.numel() * t.element_size() for t in reference.values())
-    out = {"_read_limit": [], "_read_cached": [], **{name: {"load": [], "ok": True} for name in methods_run}}
+    opt_bytes = sum(t.numel() * t.element_size() for k, t in reference.items() if k.startswith("o/"))
+    out = {"_read_limit": [], "_read_cached": [], "_touch": [],
+           **{name: {"load": [], "ok": True} for name in methods_run}}
     limits = Limits(root, total)
     for rep in range(args.reps):
         limits.write()
         direct, cached = limits.read()  # one process reading every rank's bytes
         out["_read_limit"].append(direct)
         out["_read_cached"].append(cached)
+        out["_touch"].append(limits.first_touch(opt_bytes))
+        release_memory()
         for name in methods_run:
             if "error" in out[name]:
                 continue
@@ -443,6 +550,7 @@ def resharded_loads(args, root: str, methods_run) -> dict:
     del limits
     for name in methods_run:
         shutil.rmtree(os.path.join(root, f"{name}_{args.reps - 1}"), ignore_errors=True)
+    out["_touch"] = statistics.median(out["_touch"])
     out["_read_limit"] = statistics.median(out["_read_limit"])
     out["_read_cached"] = statistics.median(out["_read_cached"])
     return out
@@ -452,6 +560,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params-m", type=float, default=96, help="model parameters, millions (x12 bytes with AdamW)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--load-rounds", type=int, default=2,
+                        help="loads of each repetition's checkpoints (same layout and cols, back to back)")
     parser.add_argument("--steps", type=int, default=7, help="training steps per loop")
     parser.add_argument("--every", type=int, default=2, help="save every k steps in the loop")
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
@@ -465,28 +575,47 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        args.root = root
+        firsts = first_saves(args, root, [m for m in METHODS if Methods.wanted(m, args.methods)])
         mp.spawn(worker, args=(2, port, args, root, out_path), nprocs=2, join=True)
         with open(out_path) as f:
             results = json.load(f)
         resharded = resharded_loads(args, root, list(results["methods"]))
-        report(args, results, resharded)
+        report(args, results, resharded, firsts)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def report(args, results, resharded) -> None:
+def report(args, results, resharded, firsts) -> None:
     med = statistics.median
     rank_bytes = results["rank_bytes"]
     total = 2 * rank_bytes
     lim = {k: med(v) for k, v in results["limits"].items()}
     print(f"\nFSDP2, 2 processes (gloo, CPU), {args.layers} x Linear({WIDTH},{WIDTH}) + AdamW: "
           f"{total / 2**30:.2f} GiB of state ({rank_bytes / 2**20:.0f} MiB per rank); medians of {args.reps}")
-    print(f"machine limits for one rank's bytes: memcpy {lim['memcpy']:.3f} s "
-          f"({rank_bytes / lim['memcpy'] / 1e9:.1f} GB/s), O_DIRECT write {lim['write']:.3f} s "
-          f"({total / lim['write'] / 1e9:.2f} GB/s both ranks), O_DIRECT cold read {lim['read']:.3f} s "
-          f"({total / lim['read'] / 1e9:.2f} GB/s both ranks; through the page cache {lim['read_cached']:.3f} s); "
-          f"one process's cold read of all {resharded['_read_limit']:.3f} s "
-          f"({total / resharded['_read_limit'] / 1e9:.2f} GB/s; through the page cache {resharded['_read_cached']:.3f} s)")
+    print(f"machine limits for one rank's bytes: copy {lim['memcpy']:.3f} s (best of copy_ and the streaming "
+          f"copy, {rank_bytes / lim['memcpy'] / 1e9:.1f} GB/s), O_DIRECT write {lim['write']:.3f} s "
+          f"({total / lim['write'] / 1e9:.2f} GB/s both ranks), cold read the loader's way (its threads, "
+          f"piece size, O_DIRECT) {lim['read']:.3f} s ({total / lim['read'] / 1e9:.2f} GB/s both ranks; one "
+          f"reader through the page cache {lim['read_cached']:.3f} s); one process's cold read of all "
+          f"{resharded['_read_limit']:.3f} s ({total / resharded['_read_limit'] / 1e9:.2f} GB/s; through the "
+          f"page cache {resharded['_read_cached']:.3f} s)")
+    touch = lim["first_touch"]
+    print(f"first touch of a fresh model's optimizer state ({results['opt_bytes'] / 2**20:.0f} MiB per rank, "
+          f"created by every load into a freshly built model): {touch:.3f} s; the loads' limit with it: "
+          f"{lim['read'] + touch:.3f} s (same layout, cols); one process's first touch of all "
+          f"{resharded['_touch']:.3f} s (2->1 limit {resharded['_read_limit'] + resharded['_touch']:.3f} s)")
+    if firsts:
+        print(f"\nfirst saves, each in a fresh process tree (stall and commit, and / the steady-state medians "
+              f"below; steps: the two training steps before the save, beside ours' warm-up)")
+        for name, r in firsts.items():
+            base = name.split(" ")[0]
+            steady = results["methods"].get(base)
+            if "error" in r or steady is None:
+                print(f"  {name:<28} not measured ({r.get('error', 'no steady state')})")
+                continue
+            print(f"  {name:<28} stall {r['stall']:.3f} s ({r['stall'] / med(steady['stall']):.2f}x), commit "
+                  f"{r['commit']:.3f} s ({r['commit'] / med(steady['commit']):.2f}x), steps {r['steps']:.3f} s")
     if "bytecheckpoint_error" in results:
         print(f"bytecheckpoint: not measured ({results['bytecheckpoint_error']})")
     rows = {}
@@ -497,8 +626,9 @@ def report(args, results, resharded) -> None:
     peers = [p for p in PEERS if p in rows]
     columns = ("stall", "loop", "commit", "load", "cols", "reshard")
     best = {k: min(rows[p][k] for p in peers) if peers else math.nan for k in columns}
-    limit = {"stall": lim["memcpy"], "commit": lim["write"], "load": lim["read"], "cols": lim["read"],
-             "reshard": resharded["_read_limit"], "loop": math.nan}
+    limit = {"stall": lim["memcpy"], "commit": lim["write"], "load": lim["read"] + touch,
+             "cols": lim["read"] + touch,
+             "reshard": resharded["_read_limit"] + resharded["_touch"], "loop": math.nan}
     cached = {"load": lim["read_cached"], "cols": lim["read_cached"], "reshard": resharded["_read_cached"]}
     print(f"\n{'method':<17}{'stall s':>9}{'loop +s':>9}{'commit s':>10}{'load s':>9}{'cols s':>9}{'2->1 s':>9}"
           f"{'GiB':>6}  bit-exact")
@@ -507,8 +637,9 @@ def report(args, results, resharded) -> None:
               f"{r['reshard']:>9.3f}{r['bytes'] / 2**30:>6.2f}  {'yes' if r['ok'] else 'NO'}")
         if name in resharded and "error" in resharded[name]:
             print(f"{'':<17}2->1 load failed: {resharded[name]['error']}")
-    print("\nratios: ours / best peer, and ours / machine limit (stall vs memcpy, commit vs O_DIRECT write, "
-          "loads vs O_DIRECT cold read, and vs the cold read through the page cache)")
+    print("\nratios: ours / best peer, and ours / machine limit (stall vs copy, commit vs O_DIRECT write, "
+          "loads vs the loader-way cold read plus first touch, 2->1 vs one process's cold read; and loads vs "
+          "one reader through the page cache)")
     for name in ("ours_sync", "ours_async", "ours_overlap"):
         r = rows.get(name)
         if r is None:
