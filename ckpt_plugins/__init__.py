@@ -4,6 +4,7 @@ from .api import (Checkpointer, LoadResult, SaveHandle, SaveInfo, checkpointer, 
 from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, LoadMismatchError,
                      MetadataError, NotACheckpointError, PeerLost, SaveError, UnsafePathError)
 from .manager import CheckpointManager
+from .data import DataChangedError, DataState, TokenPacker
 from .fragment import Fragment, box_fragment, flat_fragments, flat_range_boxes
 from .rng import RNGState, rng_state, set_rng_state
 from .state import Handler, Ignore, LoadItems, PerRank, SaveItems, register_handler
@@ -11,7 +12,7 @@ from .tensor_map import tensor_fragments
 
 __all__ = [
     "save", "load", "read_metadata", "is_checkpoint", "checkpointer", "Checkpointer", "CheckpointManager", "SaveInfo", "SaveHandle", "LoadResult",
-    "PerRank", "RNGState", "rng_state", "set_rng_state",
+    "PerRank", "RNGState", "rng_state", "set_rng_state", "DataState", "DataChangedError", "TokenPacker",
     "Fragment", "box_fragment", "flat_fragments", "flat_range_boxes", "tensor_fragments",
     "Handler", "Ignore", "SaveItems", "LoadItems", "register_handler",
     "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError", "LoadMismatchError",

@@ -29,6 +29,10 @@ class LoadMismatchError(CheckpointError):
     """What the caller wants to load does not fit the checkpoint: keys, shapes, dtypes, coverage."""
 
 
+class DataChangedError(LoadMismatchError):
+    """A data loader's data no longer matches the checkpoint's (its length or order changed)."""
+
+
 class SaveError(CheckpointError):
     """A save failed on some rank; nothing was committed."""
 

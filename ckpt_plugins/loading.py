@@ -70,6 +70,8 @@ class Load:
                 check_files(self.storage, metadata)
             t = time.time()
             self.items = root_handler(self.state).load_items("", metadata)
+            for check in self.items.checks:
+                check(lambda key: read_object(self.storage, metadata, key, None))
             specs = specs_of(self.items.fragments)
             self.plan = plan = plan_load(metadata, specs)
             # every stored candidate of a wanted tensor counts as used: a bf16 weight is not left

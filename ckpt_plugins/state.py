@@ -79,6 +79,8 @@ class LoadItems:
     accepted: Set[str] = field(default_factory=set)  # keys consumed without a destination (aliases)
     finish: List[Callable[[], None]] = field(default_factory=list)  # after all data has landed
     undo: List[Callable[[], None]] = field(default_factory=list)  # if the load fails: drop what was created
+    # before any data moves, given a reader of stored objects by key: refuse what cannot load
+    checks: List[Callable[[Callable[[str], Any]], None]] = field(default_factory=list)
 
     def extend(self, other: "LoadItems") -> None:
         self.fragments += other.fragments
@@ -87,6 +89,7 @@ class LoadItems:
         self.accepted |= other.accepted
         self.finish += other.finish
         self.undo += other.undo
+        self.checks += other.checks
 
 
 class Handler(ABC):

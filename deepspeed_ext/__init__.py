@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from .engine import engine_state, enable
+from .engine import add_state, engine_state, enable
 from .zero import DeepSpeedModel, DeepSpeedOptimizer
 
 BACKEND = "bytecheckpoint"
 
-__all__ = ["initialize", "install", "enable", "engine_state", "options_of", "DeepSpeedModel",
+__all__ = ["initialize", "install", "enable", "add_state", "engine_state", "options_of", "DeepSpeedModel",
            "DeepSpeedOptimizer"]
 
 

@@ -86,6 +86,7 @@ class Hooks:
         self.checkpointer = cp.checkpointer()
         self.unlogged: list = []  # SaveInfo or SaveHandle of saves not yet in the monitor
         self.warm = bool(options.get("warm_up", True))
+        self.extra: Dict[str, Any] = {}  # more entries every checkpoint carries (add_state)
 
     def step(self, *args, **kwargs):
         """DeepSpeed's step; after the first optimizer step, the first save's one-time costs (plan,
@@ -97,7 +98,7 @@ class Hooks:
         return result
 
     def state(self, client_state) -> Dict[str, Any]:
-        return {**engine_state(self.engine), "client_state": ClientState(client_state)}
+        return {**engine_state(self.engine), "client_state": ClientState(client_state), **self.extra}
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
                         exclude_frozen_parameters=False):
@@ -146,6 +147,8 @@ class Hooks:
                              scheduler=full and load_lr_scheduler_states, counters=full)
         client = ClientState()
         state["client_state"] = client
+        if full:
+            state.update(self.extra)
         ignored = {k: cp.Ignore() for k in ("optim", "sched", "engine") if k not in state}
         result = self.checkpointer.load(path, {**state, **ignored}, strict=load_module_strict)
         if result.missing_keys and not load_module_strict:
@@ -155,6 +158,16 @@ class Hooks:
             log.warning("%s: %d key(s) of the checkpoint have no place in this engine and were not loaded: %s",
                         path, len(result.unexpected_keys), ", ".join(result.unexpected_keys[:5]))
         return path, client.value or {}
+
+
+def add_state(engine, **entries) -> None:
+    """More entries every `save_checkpoint` and (unless `load_module_only`) `load_checkpoint` of
+    `engine` carry, beside the engine's own: `add_state(engine, data=cp.DataState(loader))` keeps
+    the data position, which then resumes at any data-parallel size and in other frameworks."""
+    if not hasattr(engine, "_ckpt_plugins"):
+        raise ValueError("the engine does not checkpoint through ckpt_plugins: add "
+                         '"checkpoint": {"backend": "bytecheckpoint"} to its DeepSpeed config')
+    engine._ckpt_plugins.extra.update(entries)
 
 
 def enable(engine, options: Optional[Dict[str, Any]] = None):

@@ -21,6 +21,7 @@ A native Megatron checkpoint in `--load` is loaded by Megatron's own code.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, Dict, Optional
 
@@ -34,6 +35,7 @@ from ckpt_plugins.storage import storage_for
 
 from .gpt import MegatronModel, MegatronOptimizer, hf_config_json
 
+log = logging.getLogger("megatron_ext")
 BACKEND = "bytecheckpoint"
 TRACKER = "latest_checkpointed_iteration.txt"
 RESUMED_ARGS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
@@ -230,6 +232,11 @@ def load(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: 
         for name in RESUMED_ARGS:
             setattr(args, name, saved.get(name, 0))
         _update_microbatches(args.consumed_train_samples)
+        saved_dp, dp = metadata.layout.get("dp"), _ps().get_data_parallel_world_size()
+        if saved_dp not in (None, dp) and args.dataloader_type == "cyclic" and getattr(args, "data_sharding", False):
+            log.warning("resuming a DP=%s run at DP=%d with the cyclic sampler's data sharding, whose order depends "
+                        "on the DP size: samples are repeated or skipped. Resume with --no-data-sharding (run that "
+                        "way from the start) or the single sampler to continue the same sample stream.", saved_dp, dp)
     if optimizer is not None and "optim" not in state:  # weights only: masters must follow them
         optimizer.reload_model_params()
     print_rank_0(f"loaded ckpt_plugins checkpoint {path} at iteration {values['iteration']}")

@@ -123,10 +123,17 @@ def ds_to_fsdp2_and_back(rank, world, root):
 
     from hf_models import full_state as fsdp_full_state
     from hf_models import tiny_llama
+    import deepspeed_ext
+    from test_data_state import loader
     eng = ds_util.engine(2, True)
+    data = cp.DataState(loader(rank, world, 3))  # the run's data position rides on the engine's checkpoints
+    deepspeed_ext.add_state(eng, data=data)
+    batches = iter(data)
     for i in range(2):
+        next(batches)
         ds_util.step(eng, i)
     eng.save_checkpoint(root, tag="ds")
+    upcoming = next(batches).tolist()
     ref = ds_util.full_state(eng)
     # the engine's first step warmed the first save up: plan cached, staging faulted in already
     for r in load_telemetry(storage_for(os.path.join(root, "ds")))["ranks"]:
@@ -137,8 +144,11 @@ def ds_to_fsdp2_and_back(rank, world, root):
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    state = {"model": model, "optim": opt, "sched": cp.Ignore(), "engine": cp.Ignore(), "client_state": cp.Ignore()}
+    resumed = cp.DataState(loader(rank, world, 3))
+    state = {"model": model, "optim": opt, "sched": cp.Ignore(), "engine": cp.Ignore(), "client_state": cp.Ignore(),
+             "data": resumed}
     cp.load(os.path.join(root, "ds"), state)  # bf16 ZeRO-2 -> fp32 FSDP2: weights are the fp32 masters
+    assert next(iter(resumed)).tolist() == upcoming  # the FSDP2 job goes on with the DeepSpeed run's data
     got = fsdp_full_state(model, opt)
     frozen = "model.layers.0.input_layernorm.weight"
     for key, value in ref.items():

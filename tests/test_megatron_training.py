@@ -196,3 +196,33 @@ def test_import_megatron_of_moe_with_expert_parallelism_and_of_checkpoints_witho
     assert weights == set(b.tensors) and len(weights) > 80
     for key in sorted(weights):
         assert torch.equal(read_tensor(a_storage, a, key), read_tensor(b_storage, b, key)), key
+
+
+def test_megatron_consumed_samples_continue_the_same_stream_at_another_dp_size():
+    """Megatron's own samplers, restarted from the consumed_samples a checkpoint restores (above, at
+    another TP x PP x DP): the single sampler and the cyclic one without data sharding give every
+    later global batch the uninterrupted run's samples at DP 2, 3 and 6; with data sharding the
+    order depends on the DP size (the load warns)."""
+    import megatron_shim
+    megatron_shim.install()  # what Megatron needs on CPU (no triton)
+    from megatron.training.datasets.data_samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+
+    total, batch, consumed = 96, 12, 24
+
+    def single(rank, dp, done):
+        return MegatronPretrainingSampler(total, done, batch // dp, rank, dp)
+
+    def cyclic(sharding):
+        return lambda rank, dp, done: MegatronPretrainingRandomSampler(None, total, done, batch // dp, rank, dp,
+                                                                       sharding)
+
+    def global_batches(make, dp, done):
+        ranks = [iter(make(r, dp, done)) for r in range(dp)]
+        return [sorted(i for it in ranks for i in next(it)) for _ in range((total - done) // batch)]
+
+    for make in (single, cyclic(False)):
+        full = global_batches(make, 4, 0)
+        for dp in (2, 3, 6):
+            assert global_batches(make, dp, consumed) == full[consumed // batch:]
+    sharded = cyclic(True)
+    assert global_batches(sharded, 2, consumed) != global_batches(sharded, 4, 0)[consumed // batch:]

@@ -1,0 +1,198 @@
+"""A data loader's progress as global, reshardable training state.
+
+    data = DataState(loader)                 # loader: a DataLoader / StatefulDataLoader with a DistributedSampler
+    for epoch in range(data.epoch, epochs):
+        data.set_epoch(epoch)
+        for batch in data:                   # instead of `for batch in loader`
+            ...
+    cp.save(path, {"model": model, "optim": opt, "data": data})
+    cp.load(path, {"model": model, "optim": opt, "data": data})   # at any data-parallel size
+
+What is stored is global: the epoch, what fixes its order (dataset length, seed, shuffle,
+drop_last), the positions of that order still to come when this layout started, its rank count,
+and how many samples each rank took (a tensor, one element per rank). With a `TokenPacker`, each
+rank's tokens taken from the loader but not packed yet are stored as tensors too. A load at another
+rank count deals the remaining positions anew (`stream`) and splits the pending tokens, in rank
+order, into one contiguous share per new rank: nothing is lost or repeated. Samples a loader
+prefetched (workers, prefetch_factor) but did not yield are not counted, and are fetched again.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+from ..errors import DataChangedError, LoadMismatchError
+from ..format import Metadata
+from ..fragment import Fragment
+from ..state import Handler, LoadItems, SaveItems
+from .packing import TokenPacker
+from .stream import Cursor, Order, after, epoch_order, share
+
+log = logging.getLogger("ckpt_plugins")
+
+
+class _Resumable(torch.utils.data.Sampler):
+    """The loader's own sampler, except while `once` holds the indices of a resumed epoch (set for
+    one iteration of the loader: its iterator may ask more than once, as worker loaders do)."""
+
+    def __init__(self, sampler):
+        self.sampler, self.once = sampler, None
+
+    def __iter__(self):
+        return iter(self.once) if self.once is not None else iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.once) if self.once is not None else len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
+def _distributed_sampler(loader):
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None)
+    if isinstance(sampler, _Resumable):
+        return batch_sampler, sampler.sampler
+    if not isinstance(sampler, torch.utils.data.DistributedSampler):
+        raise TypeError("DataState needs a loader that batches (batch_size set) over a map-style dataset with a "
+                        f"torch.utils.data.DistributedSampler; this one samples with {type(sampler).__name__}")
+    return batch_sampler, sampler
+
+
+def _batch_len(batch) -> int:
+    """Samples in a collated batch: the first dimension of its first tensor, or its length."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        return _batch_len(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)) and batch and not isinstance(batch[0], torch.Tensor):
+        return _batch_len(batch[0])
+    return len(batch)
+
+
+class DataState(Handler):
+    """See the module docstring. `restart_epoch=True`: a checkpoint whose data no longer matches
+    the loader's (another dataset length, seed, shuffle or drop_last) restarts its epoch instead of
+    being refused."""
+
+    def __init__(self, loader, packer: Optional[TokenPacker] = None, *, restart_epoch: bool = False):
+        self.loader, self.packer, self.restart_epoch = loader, packer, restart_epoch
+        batch_sampler, self.sampler = _distributed_sampler(loader)
+        if not isinstance(batch_sampler.sampler, _Resumable):
+            batch_sampler.sampler = _Resumable(self.sampler)  # installed once; passes through until a load
+        self._resumable = batch_sampler.sampler
+        self.epoch = self.sampler.epoch
+        self.remaining: Optional[List[int]] = None  # positions this layout deals; None: the whole epoch
+        self.taken = 0  # samples this rank took from its share of `remaining`
+        self._finished = False
+
+    @property
+    def order(self) -> Order:
+        s = self.sampler
+        return Order(len(s.dataset), int(s.seed), bool(s.shuffle), bool(s.drop_last))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch` (unless it is the one a load resumed)."""
+        self.sampler.set_epoch(epoch)
+
+    # ------------------------------------------------------------ iterating
+
+    def __iter__(self) -> Iterator[Any]:
+        s = self.sampler
+        if s.epoch != self.epoch or self._finished:  # a new epoch, or the same one again once it ended
+            self.epoch, self.remaining, self.taken, self._finished = s.epoch, None, 0, False
+        if self.remaining is not None or self.taken:  # resumed, or an iteration broken off: go on
+            positions = share(self._remaining(), s.num_replicas, s.rank, s.drop_last)[self.taken:]
+            order = epoch_order(self.order, self.epoch)
+            self._resumable.once = [order[p] for p in positions]
+        try:
+            for batch in self.loader:
+                self.taken += _batch_len(batch)
+                if self.packer is None:
+                    yield batch
+                    continue
+                self.packer.add(batch)
+                while self.packer.ready():
+                    yield self.packer.take()
+            self._finished = True
+        finally:
+            self._resumable.once = None
+
+    def _remaining(self) -> List[int]:
+        return self.remaining if self.remaining is not None else list(range(self.order.length))
+
+    # ------------------------------------------------------------ saving
+
+    def save_items(self, prefix: str) -> SaveItems:
+        s = self.sampler
+        world, rank = s.num_replicas, s.rank
+        items = SaveItems(objects={f"{prefix}/position": {
+            "epoch": self.epoch, "order": asdict(self.order), "world": world,
+            "cursor": asdict(Cursor.of(self._remaining(), self.order.length))}})
+        items.fragments.append(Fragment(f"{prefix}/taken", (world,), torch.int64, (rank,),
+                                        torch.tensor([self.taken], dtype=torch.int64)))
+        pending = self.packer.pending() if self.packer is not None else None
+        if pending is not None and pending.numel():
+            items.fragments.append(Fragment(f"{prefix}/pending/{rank}", (pending.numel(),), pending.dtype, (0,),
+                                            pending.reshape(-1)))
+        return items
+
+    # ------------------------------------------------------------ loading
+
+    def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
+        key = f"{prefix}/taken"
+        if key not in metadata.tensors or f"{prefix}/position" not in metadata.objects:
+            raise LoadMismatchError(f"the checkpoint holds no data loader state under {prefix!r}")
+        taken = torch.zeros(metadata.tensors[key].shape, dtype=torch.int64)
+        items = LoadItems(fragments=[Fragment(key, tuple(taken.shape), torch.int64, (0,), taken)])
+        saved: Dict[str, Any] = {}
+        items.objects[f"{prefix}/position"] = saved.update
+
+        # the pending tokens of every saved rank, in rank order, as one stream split evenly
+        stored = sorted(((int(k.rsplit("/", 1)[1]), k) for k in metadata.tensors if k.startswith(f"{prefix}/pending/")))
+        lengths = [int(metadata.tensors[k].shape[0]) for _, k in stored]
+        total, s = sum(lengths), self.sampler
+        start, end = s.rank * total // s.num_replicas, (s.rank + 1) * total // s.num_replicas
+        dtype = self.packer.pending().dtype if self.packer is not None else torch.int64
+        mine = torch.empty(end - start, dtype=dtype)
+        at = 0
+        for (_, k), n in zip(stored, lengths):
+            lo, hi = max(start, at), min(end, at + n)
+            if lo < hi:
+                items.fragments.append(Fragment(k, (n,), dtype, (lo - at,), mine[lo - start:hi - start]))
+            else:
+                items.accepted.add(k)
+            at += n
+        if stored and self.packer is None:
+            raise LoadMismatchError(f"the checkpoint holds {total} pending tokens of a sequence packer under "
+                                    f"{prefix!r}: pass the run's TokenPacker to DataState")
+
+        def check(read) -> None:  # before any data moves: refuse another dataset
+            position = read(f"{prefix}/position")
+            changes = self.order.changes(Order(**position["order"]))
+            if changes and not self.restart_epoch:
+                raise DataChangedError(
+                    "the data loader's data changed since the checkpoint: " + ", ".join(
+                        f"{name} {was!r} -> {now!r}" for name, (was, now) in changes.items()) +
+                    ". Its position cannot be resumed; pass DataState(..., restart_epoch=True) to start epoch "
+                    f"{position['epoch']} again on the new data")
+
+        def finish() -> None:
+            epoch, world = int(saved["epoch"]), int(saved["world"])
+            self.epoch, self.taken, self._finished = epoch, 0, False
+            self.sampler.set_epoch(epoch)
+            if self.order.changes(Order(**saved["order"])):
+                self.remaining = None
+                log.warning("data loader: the data changed since the checkpoint; epoch %d starts again", epoch)
+                return
+            before = Cursor(**saved["cursor"]).remaining(self.order.length)
+            self.remaining = after(before, world, self.order.drop_last, taken.tolist())
+            if self.packer is not None:
+                self.packer.restore(mine)
+
+        items.checks.append(check)
+        items.finish.append(finish)
+        return items
