@@ -3,7 +3,6 @@ dataset of distinct sample ids: a DP=4 run saves mid-epoch, runs resume at DP=2,
 another global batch, with workers and prefetch, with a sequence packer) and consume exactly what
 the uninterrupted run did; a changed dataset is refused."""
 import json
-import os
 from collections import Counter
 
 import pytest
