@@ -317,6 +317,17 @@ class Limits:
 # ------------------------------------------------------------------ the 2-rank run
 
 
+def timed_save(methods: Methods, name: str, path: str, model, opt) -> tuple:
+    """(stall, time to commit) of one save, started together on every rank."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    pending = methods.save(name, path, model, opt)
+    stall = time.perf_counter() - t0
+    methods.before_step(pending)
+    methods.finish(pending)
+    return stall, time.perf_counter() - t0
+
+
 def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -359,13 +370,7 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
                                                       "loop": [], "bytes": 0, "ok": True})
             path = os.path.join(root, f"{name}_{rep}")
             results["limits"]["memcpy"].append(slowest(limits.memcpy()))
-            dist.barrier()
-            t0 = time.perf_counter()
-            pending = methods.save(name, path, model, opt)
-            stall = time.perf_counter() - t0
-            methods.before_step(pending)
-            methods.finish(pending)
-            commit = time.perf_counter() - t0
+            stall, commit = timed_save(methods, name, path, model, opt)
             res["stall"].append(slowest(stall))
             res["commit"].append(slowest(commit))
             if rank == 0:
@@ -464,13 +469,7 @@ def first_save_worker(rank: int, world: int, port: int, args, name: str, warm: b
         train_step(model, opt, step)
     steps = time.perf_counter() - t0
     path = os.path.join(args.root, f"first_{name}")
-    dist.barrier()
-    t0 = time.perf_counter()
-    pending = methods.save(name, path, model, opt)
-    stall = time.perf_counter() - t0
-    methods.before_step(pending)
-    methods.finish(pending)
-    commit = time.perf_counter() - t0
+    stall, commit = timed_save(methods, name, path, model, opt)
     out = [max(v, 0.0) for v in (stall, commit, steps)]
     t = torch.tensor(out, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -606,8 +605,8 @@ def report(args, results, resharded, firsts) -> None:
           f"{lim['read'] + touch:.3f} s (same layout, cols); one process's first touch of all "
           f"{resharded['_touch']:.3f} s (2->1 limit {resharded['_read_limit'] + resharded['_touch']:.3f} s)")
     if firsts:
-        print(f"\nfirst saves, each in a fresh process tree (stall and commit, and / the steady-state medians "
-              f"below; steps: the two training steps before the save, beside ours' warm-up)")
+        print("\nfirst saves, each in a fresh process tree (stall and commit, and / the steady-state medians "
+              "below; steps: the two training steps before the save, beside ours' warm-up)")
         for name, r in firsts.items():
             base = name.split(" ")[0]
             steady = results["methods"].get(base)

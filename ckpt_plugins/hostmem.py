@@ -7,6 +7,7 @@ streaming stores took 0.06 s against 0.10-0.12 s for memmove or `copy_`; filling
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 import torch
 
@@ -17,6 +18,7 @@ except ImportError:  # installed without a C compiler: memmove
 
 PAGE = 4096
 HUGE_PAGE = 2 << 20
+DIRECT_MIN = 1 << 20  # tensors this big start page-aligned in data files (plan.PAGE_ITEM_BYTES)
 _MADV_HUGEPAGE = 14
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -30,6 +32,16 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     raw = torch.empty(align_up(nbytes) + PAGE, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % PAGE
     return raw[start:start + align_up(nbytes)]
+
+
+def fresh_empty(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Uninitialised memory for a load to fill. On the host, from 1 MiB up: page aligned, so the
+    loader's O_DIRECT reads land in it with no copy out of its ring and fault its pages in on
+    every read thread at once, and advised to use huge pages."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if (device is not None and torch.device(device).type != "cpu") or nbytes < DIRECT_MIN:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return advise_huge_pages(aligned_empty(nbytes)[:nbytes].view(dtype).view(shape))
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> torch.Tensor:

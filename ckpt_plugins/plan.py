@@ -18,7 +18,7 @@ from .errors import LoadMismatchError
 from .gcpause import gc_paused
 from .format import CHUNK_BYTES, DATA_DIR, Metadata, StoredBox, TensorMeta, dtype_from_name, dtype_name
 from .fragment import Box, Shape, flat_offset, intersect
-from .hostmem import PAGE
+from .hostmem import DIRECT_MIN, PAGE
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class SavePlan:
 
 
 ITEM_ALIGN = 64  # every item starts 64-byte aligned: typed views stay aligned
-PAGE_ITEM_BYTES = 1 << 20  # items this big start page aligned: loads read them with O_DIRECT (<= 0.4% padding)
+PAGE_ITEM_BYTES = DIRECT_MIN  # items this big start page aligned: loads read them with O_DIRECT (<= 0.4% padding)
 SPLIT_BYTES = 16 << 20  # replicated boxes are split into row ranges of at least this many bytes
 
 

@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import torch
 
-from .hostmem import PAGE, align_up, aligned_empty
+from .hostmem import PAGE, advise_huge_pages, align_up, aligned_empty
 
 
 class StagingSlot:
@@ -30,6 +30,8 @@ class StagingSlot:
             self.buffer = None  # release before allocating: the cap counts both
             room = nbytes + nbytes // 64
             self.buffer = aligned_empty(room if limit is None else max(nbytes, min(room, limit)), pin)
+            if not pin:
+                advise_huge_pages(self.buffer)  # a 512th of the page faults to take
             self.buffer.zero_()  # touch every page now, not during a snapshot
             self.fresh_bytes = self.buffer.numel()
         return self.buffer

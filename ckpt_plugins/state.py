@@ -20,7 +20,7 @@ from .errors import LoadMismatchError
 from .families.peft import config_key
 from .format import Metadata
 from .fragment import FlatPiece, Fragment
-from .hostmem import advise_huge_pages
+from .hostmem import fresh_empty
 from .tensor_map import IDENTITY, TensorMap, is_dtensor, is_peft_model, tensor_fragments, tensor_map
 
 log = logging.getLogger(__name__)
@@ -362,11 +362,14 @@ def _allocate(param: torch.Tensor, layout: ParamLayout, meta) -> torch.Tensor:
     load plan has checked that the checkpoint covers all of it, and a failed load removes it."""
     from .format import dtype_from_name
     dtype = dtype_from_name(meta.dtype)
-    if tuple(meta.shape) in layout.shapes and param.dim() > 0:
-        out = torch.empty_like(param, dtype=dtype)
-        advise_huge_pages(out._local_tensor if is_dtensor(out) else out)
-        return out
     local = param._local_tensor if is_dtensor(param) else param
+    if tuple(meta.shape) in layout.shapes and param.dim() > 0:
+        out = fresh_empty(local.shape, dtype, local.device)
+        if is_dtensor(param):
+            from torch.distributed.tensor import DTensor
+            out = DTensor.from_local(out, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                     stride=param.stride())
+        return out
     return torch.empty(meta.shape, dtype=dtype, device=local.device)
 
 

@@ -16,6 +16,10 @@ What it changes, on this one Trainer instance (documented because these are Trai
   `_load_best_model`: read a ckpt_plugins checkpoint-N (resharding to the current layout and
   process count); anything else goes to the native code. The model is loaded together with the
   optimizer, after the Trainer has built it, so its bytes are read once.
+- `_get_train_sampler`: the default RandomSampler is replaced by `trainer_data.EpochSampler`;
+  `_init_training_state`: a checkpoint with a data position names the epoch to resume and no
+  batches are skipped (the sampler starts at the position). After the first optimizer step a
+  callback warms the first checkpoint save up (`Checkpointer.warm_up`).
 - Everything else stays native: trainer_state.json (global step, logs, best model, stateful
   callbacks), the batches skipped on resume, `save_total_limit` rotation, `on_save`.
 - A PEFT model whose base is frozen: each checkpoint holds the adapters, their optimizer state
@@ -26,10 +30,13 @@ What it changes, on this one Trainer instance (documented because these are Trai
   save has committed (at the next save or at the end of training), so the newest whole checkpoint
   is never deleted for one still being written.
 
-Resuming on another number of processes keeps the samples per step when the global batch is the
-same (per_device_train_batch_size x processes x gradient_accumulation_steps): the Trainer skips
-`global_step` batches of that size. RNG states are per process; a process the checkpoint has none
-for keeps its own.
+The training data (with the Trainer's default random sampling): the sampler is replaced by one
+whose order is fixed by the seed and the epoch, and each checkpoint stores the data position
+globally (`trainer_data`). A resume, on any number of processes and with any global batch
+(per_device_train_batch_size x processes x gradient_accumulation_steps), starts at that position
+instead of skipping `global_step` batches: every sample of the epoch is consumed once, and with the
+global batch kept each step sees the uninterrupted run's samples. `global_step` keeps counting
+steps. RNG states are per process; a process the checkpoint has none for keeps its own.
 """
 from __future__ import annotations
 
@@ -40,9 +47,12 @@ from typing import Any, Dict, Optional
 import torch
 
 import ckpt_plugins as cp
+from ckpt_plugins.committed import read_object
+from ckpt_plugins.storage import storage_for
 from ckpt_plugins.tensor_map import is_peft_model
 
 from .safetensors_io import HF_CONFIG
+from .trainer_data import EpochSampler, TrainerData
 
 log = logging.getLogger("hf_ext.trainer")
 
@@ -63,6 +73,7 @@ class _Integration:
         self.pending: Optional[cp.SaveHandle] = None
         self.pending_rotation = None
         self.warmed = False
+        self.data: Optional[TrainerData] = None  # the training data's position, once the Trainer built its sampler
 
     def ckpt(self) -> cp.Checkpointer:
         return self.checkpointer or cp.checkpointer()
@@ -81,6 +92,8 @@ class _Integration:
             if scaler is not None:
                 state["scaler"] = scaler
             state["rng"] = cp.RNGState()
+            if self.data is not None:
+                state["data"] = self.data
         return state
 
     # ---------------------------------------------------------------- saving
@@ -171,6 +184,37 @@ class _Integration:
     def _nothing(*args, **kwargs) -> None:
         return None
 
+    # ---------------------------------------------------------------- data
+
+    def _get_train_sampler(self, train_dataset=None):
+        """The Trainer's random sampler, replaced by one a checkpoint can resume mid-epoch at any
+        global batch and process count (`trainer_data`); other strategies stay native."""
+        sampler = self.native["_get_train_sampler"](train_dataset)
+        if type(sampler) is not torch.utils.data.RandomSampler:
+            self.data = None
+            return sampler
+        t = self.trainer
+        seed = t.args.data_seed if t.args.data_seed is not None else t.args.seed
+        epochs = EpochSampler(len(sampler.data_source), seed, lambda: t.state.global_step)
+        self.data = TrainerData(epochs, lambda: t.args.per_device_train_batch_size * max(1, t.args.world_size)
+                                * t.args.gradient_accumulation_steps)
+        return epochs
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                             trial):
+        """The Trainer's own, except that a checkpoint holding the data position names the epoch
+        and nothing is skipped: the sampler resumes at the position itself (loaded with the
+        optimizer), whatever the global batch is now."""
+        epochs, steps = self.native["_init_training_state"](max_steps, num_update_steps_per_epoch, num_train_epochs,
+                                                            resume_from_checkpoint, trial)
+        if self.data is None or not is_ckpt_plugins_checkpoint(resume_from_checkpoint):
+            return epochs, steps
+        storage = storage_for(resume_from_checkpoint)
+        metadata = cp.read_metadata(storage)
+        if "data/position" not in metadata.objects:  # saved before the data was kept
+            return epochs, steps
+        return int(read_object(storage, metadata, "data/position", None)["epoch"]), 0
+
     # ---------------------------------------------------------------- loading
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -183,6 +227,8 @@ class _Integration:
             return self.native["_load_optimizer_and_scheduler"](checkpoint)
         # RNG states are restored where the Trainer restores them: after skipping batches
         state = {**self.state(with_training_state=True), "rng": cp.Ignore(), HF_CONFIG: cp.Ignore()}
+        if "data/position" not in cp.read_metadata(checkpoint).objects:  # saved before the data was kept
+            state["data"] = cp.Ignore()
         self.ckpt().load(checkpoint, state)
 
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
@@ -200,7 +246,7 @@ class _Integration:
         best = self.trainer.state.best_model_checkpoint
         if not is_ckpt_plugins_checkpoint(best):
             return self.native["_load_best_model"]()
-        rest = {k: cp.Ignore() for k in ("optim", "sched", "scaler", "rng", HF_CONFIG)}
+        rest = {k: cp.Ignore() for k in ("optim", "sched", "scaler", "rng", "data", HF_CONFIG)}
         self.ckpt().load(best, {"model": self.trainer.model, **rest})
 
     def on_train_end(self) -> None:
@@ -228,7 +274,7 @@ def _save_side_files(trainer, output_dir: str) -> None:
 
 
 _HOOKS = ("_save_checkpoint", "save_model", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
-          "_load_rng_state", "_load_scaler", "_load_best_model")
+          "_load_rng_state", "_load_scaler", "_load_best_model", "_get_train_sampler", "_init_training_state")
 _NO_OPS = ("_save_optimizer_and_scheduler", "_save_rng_state", "_save_scaler")
 
 

@@ -108,3 +108,50 @@ def test_trainer_async_saves_rotate_only_committed_checkpoints(tmp_path):
     assert sorted(h["ckpt/step"] for h in torch.load(tmp_path / "full.pt")["saves"]) == [2, 4, 6]
     for name in ("checkpoint-4", "checkpoint-6"):
         assert cp.read_metadata(run / name).step == int(name.split("-")[1])  # committed, whole
+
+
+class Indexed(Tokens):
+    def __getitem__(self, i):
+        return {**super().__getitem__(i), "idx": i}
+
+
+def data_run(rank, world, out_dir, resume, per_device, max_steps, log_path):
+    """A Trainer run that logs the index of every sample it trains on (not those its loader
+    fetched ahead)."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    import hf_ext.trainer
+    seen = []
+
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=per_device, max_steps=max_steps,
+                             save_strategy="steps", save_steps=2, learning_rate=1e-2, use_cpu=True, report_to=[],
+                             seed=0, dataloader_drop_last=True, ddp_backend="gloo", disable_tqdm=True,
+                             remove_unused_columns=False)
+    trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=Indexed(), data_collator=default_data_collator)
+    native = trainer.training_step
+
+    def training_step(model, inputs, *rest):
+        seen.extend(inputs.pop("idx").tolist())
+        return native(model, inputs, *rest)
+
+    trainer.training_step = training_step
+    hf_ext.trainer.enable(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+    with open(f"{log_path}.{rank}", "w") as f:
+        json.dump(seen, f)
+
+
+def consumed(log_path, world):
+    return [i for r in range(world) for i in json.loads(open(f"{log_path}.{r}").read())]
+
+
+def test_trainer_resumes_the_epoch_with_another_global_batch(tmp_path):
+    run = tmp_path / "run"
+    run_env_ranks(2, data_run, str(run), None, 2, 4, tmp_path / "a")  # global batch 4, 4 steps
+    before = consumed(tmp_path / "a", 2)
+    assert len(before) == len(set(before)) == 16
+    assert cp.read_metadata(run / "checkpoint-4").objects["data/position"]
+    # one process, global batch 2: the rest of the epoch (16 samples, 8 steps), each sample once
+    run_env_ranks(1, data_run, str(run), str(run / "checkpoint-4"), 2, 12, tmp_path / "b")
+    after = consumed(tmp_path / "b", 1)
+    assert sorted(before + after) == list(range(SAMPLES)), (sorted(before), sorted(after))

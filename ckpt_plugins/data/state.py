@@ -18,20 +18,17 @@ prefetched (workers, prefetch_factor) but did not yield are not counted, and are
 """
 from __future__ import annotations
 
-import logging
-from dataclasses import asdict
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 
-from ..errors import DataChangedError, LoadMismatchError
+from ..errors import LoadMismatchError
 from ..format import Metadata
 from ..fragment import Fragment
 from ..state import Handler, LoadItems, SaveItems
 from .packing import TokenPacker
-from .stream import Cursor, Order, after, epoch_order, share
-
-log = logging.getLogger("ckpt_plugins")
+from .position import load_position, position_items
+from .stream import Order, epoch_order, share
 
 
 class _Resumable(torch.utils.data.Sampler):
@@ -128,71 +125,41 @@ class DataState(Handler):
 
     def save_items(self, prefix: str) -> SaveItems:
         s = self.sampler
-        world, rank = s.num_replicas, s.rank
-        items = SaveItems(objects={f"{prefix}/position": {
-            "epoch": self.epoch, "order": asdict(self.order), "world": world,
-            "cursor": asdict(Cursor.of(self._remaining(), self.order.length))}})
-        items.fragments.append(Fragment(f"{prefix}/taken", (world,), torch.int64, (rank,),
-                                        torch.tensor([self.taken], dtype=torch.int64)))
+        items = position_items(prefix, self.epoch, self.order, s.num_replicas, s.rank, self._remaining(), self.taken)
         pending = self.packer.pending() if self.packer is not None else None
         if pending is not None and pending.numel():
-            items.fragments.append(Fragment(f"{prefix}/pending/{rank}", (pending.numel(),), pending.dtype, (0,),
+            items.fragments.append(Fragment(f"{prefix}/pending/{s.rank}", (pending.numel(),), pending.dtype, (0,),
                                             pending.reshape(-1)))
         return items
 
     # ------------------------------------------------------------ loading
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
-        key = f"{prefix}/taken"
-        if key not in metadata.tensors or f"{prefix}/position" not in metadata.objects:
-            raise LoadMismatchError(f"the checkpoint holds no data loader state under {prefix!r}")
-        taken = torch.zeros(metadata.tensors[key].shape, dtype=torch.int64)
-        items = LoadItems(fragments=[Fragment(key, tuple(taken.shape), torch.int64, (0,), taken)])
-        saved: Dict[str, Any] = {}
-        items.objects[f"{prefix}/position"] = saved.update
-
         # the pending tokens of every saved rank, in rank order, as one stream split evenly
         stored = sorted(((int(k.rsplit("/", 1)[1]), k) for k in metadata.tensors if k.startswith(f"{prefix}/pending/")))
+        if stored and self.packer is None:
+            raise LoadMismatchError(f"the checkpoint holds pending tokens of a sequence packer under {prefix!r}: "
+                                    "pass the run's TokenPacker to DataState")
         lengths = [int(metadata.tensors[k].shape[0]) for _, k in stored]
         total, s = sum(lengths), self.sampler
         start, end = s.rank * total // s.num_replicas, (s.rank + 1) * total // s.num_replicas
-        dtype = self.packer.pending().dtype if self.packer is not None else torch.int64
-        mine = torch.empty(end - start, dtype=dtype)
-        at = 0
+        mine = torch.empty(end - start, dtype=self.packer.pending().dtype if self.packer is not None else torch.int64)
+        fragments, accepted, at = [], set(), 0
         for (_, k), n in zip(stored, lengths):
             lo, hi = max(start, at), min(end, at + n)
             if lo < hi:
-                items.fragments.append(Fragment(k, (n,), dtype, (lo - at,), mine[lo - start:hi - start]))
+                fragments.append(Fragment(k, (n,), mine.dtype, (lo - at,), mine[lo - start:hi - start]))
             else:
-                items.accepted.add(k)
+                accepted.add(k)
             at += n
-        if stored and self.packer is None:
-            raise LoadMismatchError(f"the checkpoint holds {total} pending tokens of a sequence packer under "
-                                    f"{prefix!r}: pass the run's TokenPacker to DataState")
 
-        def check(read) -> None:  # before any data moves: refuse another dataset
-            position = read(f"{prefix}/position")
-            changes = self.order.changes(Order(**position["order"]))
-            if changes and not self.restart_epoch:
-                raise DataChangedError(
-                    "the data loader's data changed since the checkpoint: " + ", ".join(
-                        f"{name} {was!r} -> {now!r}" for name, (was, now) in changes.items()) +
-                    ". Its position cannot be resumed; pass DataState(..., restart_epoch=True) to start epoch "
-                    f"{position['epoch']} again on the new data")
-
-        def finish() -> None:
-            epoch, world = int(saved["epoch"]), int(saved["world"])
-            self.epoch, self.taken, self._finished = epoch, 0, False
+        def loaded(epoch: int, remaining: Optional[List[int]]) -> None:
+            self.epoch, self.remaining, self.taken, self._finished = epoch, remaining, 0, False
             self.sampler.set_epoch(epoch)
-            if self.order.changes(Order(**saved["order"])):
-                self.remaining = None
-                log.warning("data loader: the data changed since the checkpoint; epoch %d starts again", epoch)
-                return
-            before = Cursor(**saved["cursor"]).remaining(self.order.length)
-            self.remaining = after(before, world, self.order.drop_last, taken.tolist())
-            if self.packer is not None:
+            if self.packer is not None and remaining is not None:  # a restarted epoch drops the old data's tokens
                 self.packer.restore(mine)
 
-        items.checks.append(check)
-        items.finish.append(finish)
+        items = load_position(prefix, metadata, self.order, self.restart_epoch, loaded)
+        items.fragments += fragments
+        items.accepted |= accepted
         return items
