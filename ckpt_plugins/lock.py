@@ -31,6 +31,8 @@ def holder(storage: Storage) -> Optional[dict]:
             return None
         value = json.loads(storage.read_bytes(LOCK_FILE))
         return value if isinstance(value, dict) else {}
+    except FileNotFoundError:  # released between the two calls
+        return None
     except (OSError, ValueError):
         return {}
 

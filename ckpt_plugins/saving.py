@@ -175,6 +175,7 @@ class Save:
         `bg`; the coordinator commits when every rank succeeded. Releases everything the save
         holds, whatever happens."""
         info, job, recorder = self.handle.info, self.job, self.recorder
+        error: Optional[BaseException] = None
         try:
             bg.begin()
             try:
@@ -205,13 +206,15 @@ class Save:
                 then = ("It is committed, but the step after the commit failed" if outcome.committed else
                         "Nothing was committed; the previous checkpoint is still the latest")
                 raise failure_error(outcome.failures, self.what, then, SaveError)
-            self.handle.succeed()
         except BaseException as exc:
             error = exc if isinstance(exc, SaveError) else SaveError(f"{self.what} failed: {exc}")
+        finally:
+            self.release()  # before the save counts as done: the next save to this path takes the lock
+        if error is None:
+            self.handle.succeed()
+        else:
             self.handle.fail(error)
             log.error("%s", error)
-        finally:
-            self.release()
 
     def _commit(self, reports: List[WriteReport], waited_since: float) -> Outcome:
         """On the coordinator: write the metadata if every rank succeeded; then the telemetry of
