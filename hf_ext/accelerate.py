@@ -14,7 +14,7 @@ processes, and its `model`/`optim` load in every other framework extension.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
 from ckpt_plugins.results import take_finished
@@ -62,21 +62,24 @@ def saved_state(accelerator) -> Dict[str, Any]:
     return state
 
 
-def warm_up(accelerator) -> None:
-    """Call once after the first optimizer step: the first `save_state`'s one-time costs (its plan,
-    its staging memory faulted in) then run in the background, beside the next steps, and that
-    save is as fast as any later one (`Checkpointer.warm_up`)."""
-    cp.checkpointer().warm_up(saved_state(accelerator))
+def warm_up(accelerator, extra: Optional[Dict[str, Any]] = None) -> None:
+    """Call once after the first optimizer step, with the `extra` entries the saves will pass: the
+    first `save_state`'s one-time costs (its plan, its staging memory faulted in) then run in the
+    background, beside the next steps, and that save is as fast as any later one
+    (`Checkpointer.warm_up`)."""
+    cp.checkpointer().warm_up({**saved_state(accelerator), **(extra or {})})
 
 
-def save_state(accelerator, path, *, step=None, async_: bool = False, **options):
-    """Save what `accelerator` tracks to `path` (every process calls it). `async_=True` returns a
-    handle once the snapshot is taken; call `handle.wait()` before relying on the checkpoint.
+def save_state(accelerator, path, *, step=None, async_: bool = False, extra: Optional[Dict[str, Any]] = None,
+               **options):
+    """Save what `accelerator` tracks to `path` (every process calls it), and the entries of
+    `extra` (a `cp.DataState`, say: `extra={"data": data}`). `async_=True` returns a handle once
+    the snapshot is taken; call `handle.wait()` before relying on the checkpoint.
 
     Each save's stall, time to commit, size and throughput go to the accelerator's trackers
     (`accelerator.log`, after `init_trackers`): a sync save's at once, an async one's at the
     first save_state after it committed."""
-    result = cp.save(path, saved_state(accelerator), step=step, async_=async_, framework="accelerate",
+    result = cp.save(path, {**saved_state(accelerator), **(extra or {})}, step=step, async_=async_, framework="accelerate",
                      layout={"num_processes": accelerator.num_processes}, **options)
     unlogged = accelerator.__dict__.setdefault("_ckpt_plugins_unlogged", [])
     unlogged.append(result)
@@ -85,7 +88,7 @@ def save_state(accelerator, path, *, step=None, async_: bool = False, **options)
     return result
 
 
-def load_state(accelerator, path, *, strict: bool = True) -> cp.LoadResult:
-    """Restore what `accelerator` tracks from `path`, resharding to the current processes. (The HF
-    config saved beside the weights is not needed to resume.)"""
-    return cp.load(path, {**accelerator_state(accelerator), HF_CONFIG: cp.Ignore()}, strict=strict)
+def load_state(accelerator, path, *, strict: bool = True, extra: Optional[Dict[str, Any]] = None) -> cp.LoadResult:
+    """Restore what `accelerator` tracks, and the entries of `extra`, from `path`, resharding to the
+    current processes. (The HF config saved beside the weights is not needed to resume.)"""
+    return cp.load(path, {**accelerator_state(accelerator), **(extra or {}), HF_CONFIG: cp.Ignore()}, strict=strict)

@@ -227,8 +227,8 @@ class _Integration:
             return self.native["_load_optimizer_and_scheduler"](checkpoint)
         # RNG states are restored where the Trainer restores them: after skipping batches
         state = {**self.state(with_training_state=True), "rng": cp.Ignore(), HF_CONFIG: cp.Ignore()}
-        if "data/position" not in cp.read_metadata(checkpoint).objects:  # saved before the data was kept
-            state["data"] = cp.Ignore()
+        if self.data is None or "data/position" not in cp.read_metadata(checkpoint).objects:
+            state["data"] = cp.Ignore()  # another sampling strategy now, or saved before the data was kept
         self.ckpt().load(checkpoint, state)
 
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:

@@ -116,11 +116,21 @@ def accelerate_run(rank, world, path, ref_path, resume):
         opt.zero_grad()
         return accelerator.gather(loss.detach().reshape(1)).mean().item()
 
+    from test_data_state import loader
+    data = cp.DataState(loader(rank, world, 4 // world))  # a global batch of 4 on any process count
+
+    def next_global_batch():
+        everything = [None] * world
+        torch.distributed.all_gather_object(everything, next(iter(data)).tolist())
+        return sorted(i for part in everything for i in part)
+
     if not resume:
         step(0)
-        hacc.warm_up(accelerator)
+        hacc.warm_up(accelerator, extra={"data": data})
         step(1)
-        hacc.save_state(accelerator, path, step=2)
+        next_global_batch()  # the data position is mid-epoch
+        hacc.save_state(accelerator, path, step=2, extra={"data": data})
+        upcoming = next_global_batch()
         for r in load_telemetry(storage_for(str(path)))["ranks"]:  # rank 0 holds every rank's record
             assert r.phase("plan").info["cached"] and r.phase("staging").bytes == 0, r  # warmed up
         ref = full_state(accelerator.unwrap_model(model), opt.optimizer)
@@ -128,13 +138,15 @@ def accelerate_run(rank, world, path, ref_path, resume):
         loss = step(2)
         accelerator.end_training()
         if rank == 0:
-            torch.save({"state": ref, "loss": loss, "sched": sched_state, "step": counter}, ref_path)
+            torch.save({"state": ref, "loss": loss, "sched": sched_state, "step": counter, "upcoming": upcoming},
+                       ref_path)
         return
-    hacc.load_state(accelerator, path)
+    hacc.load_state(accelerator, path, extra={"data": data})
     ref = torch.load(ref_path)
     assert_same(ref["state"], full_state(accelerator.unwrap_model(model), opt.optimizer))
     assert sched.state_dict() == ref["sched"]  # (accelerate steps it once per process: compare before stepping)
     assert accelerator.step == ref["step"]
+    assert next_global_batch() == ref["upcoming"]  # the data position, resharded to this process count
     loss = step(2)
     assert abs(loss - ref["loss"]) <= 1e-5 * abs(ref["loss"])
 

@@ -53,21 +53,10 @@ def _distributed_sampler(loader):
     sampler = getattr(batch_sampler, "sampler", None)
     if isinstance(sampler, _Resumable):
         return batch_sampler, sampler.sampler
-    if not isinstance(sampler, torch.utils.data.DistributedSampler):
+    if not isinstance(sampler, torch.utils.data.DistributedSampler) or not getattr(batch_sampler, "batch_size", None):
         raise TypeError("DataState needs a loader that batches (batch_size set) over a map-style dataset with a "
                         f"torch.utils.data.DistributedSampler; this one samples with {type(sampler).__name__}")
     return batch_sampler, sampler
-
-
-def _batch_len(batch) -> int:
-    """Samples in a collated batch: the first dimension of its first tensor, or its length."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, dict):
-        return _batch_len(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)) and batch and not isinstance(batch[0], torch.Tensor):
-        return _batch_len(batch[0])
-    return len(batch)
 
 
 class DataState(Handler):
@@ -77,10 +66,10 @@ class DataState(Handler):
 
     def __init__(self, loader, packer: Optional[TokenPacker] = None, *, restart_epoch: bool = False):
         self.loader, self.packer, self.restart_epoch = loader, packer, restart_epoch
-        batch_sampler, self.sampler = _distributed_sampler(loader)
-        if not isinstance(batch_sampler.sampler, _Resumable):
-            batch_sampler.sampler = _Resumable(self.sampler)  # installed once; passes through until a load
-        self._resumable = batch_sampler.sampler
+        self._batch_sampler, self.sampler = _distributed_sampler(loader)
+        if not isinstance(self._batch_sampler.sampler, _Resumable):
+            self._batch_sampler.sampler = _Resumable(self.sampler)  # installed once; passes through until a load
+        self._resumable = self._batch_sampler.sampler
         self.epoch = self.sampler.epoch
         self.remaining: Optional[List[int]] = None  # positions this layout deals; None: the whole epoch
         self.taken = 0  # samples this rank took from its share of `remaining`
@@ -101,13 +90,16 @@ class DataState(Handler):
         s = self.sampler
         if s.epoch != self.epoch or self._finished:  # a new epoch, or the same one again once it ended
             self.epoch, self.remaining, self.taken, self._finished = s.epoch, None, 0, False
+        count = len(s)  # samples this pass deals: every batch holds batch_size of them but the last
         if self.remaining is not None or self.taken:  # resumed, or an iteration broken off: go on
             positions = share(self._remaining(), s.num_replicas, s.rank, s.drop_last)[self.taken:]
             order = epoch_order(self.order, self.epoch)
             self._resumable.once = [order[p] for p in positions]
+            count = len(positions)
+        end, size = self.taken + count, self._batch_sampler.batch_size
         try:
             for batch in self.loader:
-                self.taken += _batch_len(batch)
+                self.taken = min(self.taken + size, end)
                 if self.packer is None:
                     yield batch
                     continue
