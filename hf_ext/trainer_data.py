@@ -34,16 +34,15 @@ class EpochSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def positions(self) -> List[int]:
-        """The positions this epoch's pass deals."""
-        if self.resumed is not None and self.resumed[0] == self.epoch:
-            return self.resumed[1]
-        return list(range(self.order.length))
+    def resumed_positions(self) -> Optional[List[int]]:
+        """The positions this epoch's pass deals when it resumed one (None: the whole epoch)."""
+        return self.resumed[1] if self.resumed is not None and self.resumed[0] == self.epoch else None
 
     def __iter__(self):
         self.started = self.global_step()
         order = epoch_order(self.order, self.epoch)
-        return iter([order[p] for p in self.positions()])
+        positions = self.resumed_positions()
+        return iter(order if positions is None else [order[p] for p in positions])
 
     def __len__(self) -> int:
         return self.order.length  # the Trainer's steps per epoch stay those of a whole epoch
@@ -57,13 +56,14 @@ class TrainerData(Handler):
 
     def save_items(self, prefix: str) -> SaveItems:
         s = self.sampler
-        remaining = s.positions()
-        taken = min(len(remaining), (s.global_step() - s.started) * self.global_batch())
+        remaining = s.resumed_positions()
+        dealt = s.order.length if remaining is None else len(remaining)
+        taken = min(dealt, (s.global_step() - s.started) * self.global_batch())
         return position_items(prefix, s.epoch, s.order, 1, 0, remaining, taken)
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         def loaded(epoch: int, remaining: Optional[List[int]]) -> None:
-            self.sampler.resumed = (epoch, remaining if remaining is not None else list(range(self.sampler.order.length)))
+            self.sampler.resumed = (epoch, remaining)
             self.sampler.set_epoch(epoch)
 
         return load_position(prefix, metadata, self.sampler.order, False, loaded)

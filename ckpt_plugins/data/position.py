@@ -20,12 +20,14 @@ from .stream import Cursor, Order, after
 log = logging.getLogger("ckpt_plugins")
 
 
-def position_items(prefix: str, epoch: int, order: Order, world: int, rank: int, remaining: List[int],
+def position_items(prefix: str, epoch: int, order: Order, world: int, rank: int, remaining: Optional[List[int]],
                    taken: int) -> SaveItems:
-    """Rank `rank` of a layout of `world` ranks dealing `remaining` took `taken` samples."""
+    """Rank `rank` of a layout of `world` ranks dealing `remaining` (None: the whole epoch, stored
+    without listing it) took `taken` samples."""
+    cursor = Cursor(0) if remaining is None else Cursor.of(remaining, order.length)
     return SaveItems(
         objects={f"{prefix}/position": {"epoch": int(epoch), "order": asdict(order), "world": int(world),
-                                        "cursor": asdict(Cursor.of(remaining, order.length))}},
+                                        "cursor": asdict(cursor)}},
         fragments=[Fragment(f"{prefix}/taken", (world,), torch.int64, (rank,),
                             torch.tensor([taken], dtype=torch.int64))])
 

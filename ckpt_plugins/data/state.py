@@ -117,7 +117,7 @@ class DataState(Handler):
 
     def save_items(self, prefix: str) -> SaveItems:
         s = self.sampler
-        items = position_items(prefix, self.epoch, self.order, s.num_replicas, s.rank, self._remaining(), self.taken)
+        items = position_items(prefix, self.epoch, self.order, s.num_replicas, s.rank, self.remaining, self.taken)
         pending = self.packer.pending() if self.packer is not None else None
         if pending is not None and pending.numel():
             items.fragments.append(Fragment(f"{prefix}/pending/{s.rank}", (pending.numel(),), pending.dtype, (0,),
