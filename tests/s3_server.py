@@ -12,8 +12,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-from distributed import free_port
-
 ACCESS_KEY, SECRET_KEY = "ckptTestAccess", "ckpt-test-secret-0b1d5e7a"
 
 
@@ -38,37 +36,70 @@ def _weed() -> str:
     return found
 
 
-def _wait_port(port: int, deadline: float) -> None:
-    while time.time() < deadline:
+def _wait_port(port: int, deadline: float, process: subprocess.Popen) -> None:
+    while time.time() < deadline and process.poll() is None:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} (server exit status: {process.poll()})")
 
 
-def start(workdir: str, timeout: float = 60) -> S3Server:
+def _distinct_ports(n: int) -> list:
+    """n free ports, all different: each is held until all are chosen (separate `free_port` calls
+    can return one port twice)."""
+    held = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            held.append(s)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
+def start(workdir: str, timeout: float = 60, attempts: int = 3) -> S3Server:
+    """A running server with a bucket `ckpt`. A start that fails (a port taken between choosing and
+    binding it, a gateway that exits) is retried on fresh ports; the last failure names the log."""
+    for attempt in range(1, attempts + 1):
+        server = _start(os.path.join(workdir, f"try{attempt}"), timeout)
+        if isinstance(server, S3Server):
+            return server
+        print(f"SeaweedFS start {attempt} failed, {attempts - attempt} tries left: {server}", file=sys.stderr)
+        if attempt == attempts:
+            raise RuntimeError(f"SeaweedFS did not start in {attempts} attempts: {server}")
+
+
+def _start(workdir: str, timeout: float):
     data = os.path.join(workdir, "data")
     os.makedirs(data, exist_ok=True)
     config = os.path.join(workdir, "identities.json")
     with open(config, "w") as f:
         json.dump({"identities": [{"name": "ckpt", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                                    "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
-    ports = [free_port() for _ in range(8)]
+    ports = _distinct_ports(8)
     s3 = ports[6]
     log_path = os.path.join(workdir, "weed.log")
     cmd = [_weed(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
            f"-master.port={ports[0]}", f"-master.port.grpc={ports[1]}", "-master.telemetry=false",
            f"-volume.port={ports[2]}", f"-volume.port.grpc={ports[3]}", "-volume.max=0", "-volume.preStopSeconds=0",
            "-filer", f"-filer.port={ports[4]}", f"-filer.port.grpc={ports[5]}",
-           "-s3", f"-s3.port={s3}", f"-s3.port.grpc={ports[7]}", f"-s3.config={config}"]
+           "-s3", f"-s3.port={s3}", f"-s3.port.grpc={ports[7]}", f"-s3.config={config}",
+           "-s3.port.iceberg=0", "-s3.port.lance=0"]  # their fixed default ports may be taken
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = S3Server(f"http://127.0.0.1:{s3}", s3, process, log_path)
     try:
         deadline = time.time() + timeout
-        _wait_port(s3, deadline)
+        _wait_port(s3, deadline, process)
         _create_bucket(server, "ckpt", deadline)
+    except Exception as exc:
+        stop(server)
+        with open(log_path, errors="replace") as log:
+            tail = log.read()[-2000:]
+        return f"{type(exc).__name__}: {exc}; the end of {log_path}:\n{tail}"
     except BaseException:
         stop(server)
         raise
@@ -89,7 +120,7 @@ def _create_bucket(server: S3Server, bucket: str, deadline: float) -> None:
             fs.pipe_file(f"{bucket}/ready", b"1")
             return
         except Exception:
-            if time.time() > deadline:
+            if time.time() > deadline or server.process.poll() is not None:
                 raise
             time.sleep(0.5)
 
