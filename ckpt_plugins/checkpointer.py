@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Optional
 from .coordinator import Coordinator, checkpoint_groups
 from .loading import load
 from .plan_cache import PlanCache
-from .results import LoadResult, SaveHandle
+from .results import LoadResult, SaveHandle, SaveInfo
 from .saving import Save
 from .staging import StagingPool
 from .storage import storage_for
@@ -113,7 +113,8 @@ class Checkpointer:
     def save(self, path, state: Dict[str, Any], *, async_: bool = False, overlap: bool = False,
              framework: str = "torch", layout: Optional[Dict[str, Any]] = None, step: Optional[int] = None,
              overwrite: bool = False, on_commit: Optional[Callable[[], None]] = None,
-             on_summary: Optional[Callable[[Dict[str, Any]], None]] = None, base=None):
+             on_summary: Optional[Callable[[Dict[str, Any]], None]] = None, base=None,
+             then: Optional[Callable[[Coordinator, SaveInfo], None]] = None):
         """Save `state` to `path`. Sync: returns SaveInfo once committed. `async_=True`: returns a
         SaveHandle once the snapshot is taken. `overlap=True`: returns a SaveHandle at once, the
         snapshot running in the background; call `wait_snapshot()` before the next optimizer step.
@@ -122,6 +123,9 @@ class Checkpointer:
         runs there too, just before, with the save's telemetry summary (a run's history); its
         failure only logs. `base`: a committed checkpoint this state was built on (a PEFT run's
         frozen base): frozen parameters it holds alike are left to it (see `base_ref`).
+        `then(coordinator, info)`: a step every rank runs after the commit, on the background
+        group, before the save counts as done (the memory tier replicates and persists there);
+        its failure is the save's error, so it must reach every rank through the coordinator.
         """
         coord = self._groups()
         storage = storage_for(path, direct_io=self.direct_io)
@@ -130,7 +134,7 @@ class Checkpointer:
         mode = "overlap" if overlap else "async" if async_ else "sync"
         save = Save(storage, state, coord, self.pool, self.cache, overwrite=overwrite, on_commit=on_commit,
                     meta_extra=dict(framework=framework, layout=dict(layout or {}), step=step), mode=mode,
-                    telemetry=self.telemetry, on_summary=on_summary, base=base)
+                    telemetry=self.telemetry, on_summary=on_summary, base=base, then=then)
         save.recorder.record.start = t0
         save.prepare(copy_early=mode == "async")
         self._last = save.handle

@@ -20,15 +20,14 @@ from .coordinator import Coordinator
 from .engine.read import read_items
 from .errors import LoadMismatchError
 from .failure import RankFailure
-from .plan import (LoadPlan, Request, assign_transfers, candidate_keys, plan_load, read_request, resolve_key, runs_of,
-                   specs_of)
+from .plan import (LoadPlan, ReadItem, Request, Transfer, assign_transfers, candidate_keys, plan_load, read_request,
+                   resolve_key, runs_of, specs_of)
 from .results import LoadResult
 from .state import LoadItems, root_handler
 from .storage import Storage
 from .telemetry import Recorder, backend_of
 
 log = logging.getLogger("ckpt_plugins")
-_HOST = shm.host_key()
 
 
 @dataclass
@@ -62,7 +61,7 @@ class Load:
         coord = self.coord
         coord.begin()
         self.before = coord.collectives
-        failure, request = None, LoadRequest(host=_HOST)
+        failure, request = None, LoadRequest(host=shm.host_key())
         recorder = self.recorder
         try:
             with recorder.phase("metadata"):
@@ -116,14 +115,18 @@ class Load:
 
     def _read(self, plan: LoadPlan, metadata, requests: List[LoadRequest]) -> int:
         coord = self.coord
-        assignment = assign_transfers([r.reads for r in requests], [r.runs for r in requests], coord.rank)
+        assignment = assign_transfers([r.reads for r in requests], [r.runs for r in requests], coord.rank,
+                                      readers=self.storage.readers)
         shared = assignment.transfers
         mine = requests[coord.rank].reads
         transfers = {i: shared[req[:2]] for i, req in enumerate(mine) if req[:2] in shared}
+        reads = plan.reads + _passed_on(metadata, shared, {req[:2] for req in mine}, coord.rank)
+        transfers.update({i: shared[(r.stored.file, r.stored.offset)]
+                          for i, r in enumerate(reads) if i >= len(plan.reads)})
         hosts = [r.host for r in requests]
         if not (assignment.shared and self.shared_memory and any(h is not None and hosts.count(h) > 1 for h in hosts)):
             hosts = None
-        return read_items(self.storage, plan.reads, self.items.fragments,
+        return read_items(self.storage, reads, self.items.fragments,
                           {k: m.dtype for k, m in metadata.tensors.items()}, metadata.chunk_bytes,
                           self.read_threads, transfers, coord, hosts, self.recorder)
 
@@ -190,6 +193,16 @@ def undone_on_failure(loads: List["Load"]):
                 undo()
         shm.remove_stale()  # a reader that was killed left its segment
         raise
+
+
+def _passed_on(metadata, shared: Dict[Tuple[str, int], Transfer], mine: set, rank: int) -> List[ReadItem]:
+    """Reads this rank makes only to pass the bytes on: stored items that no rank needing them
+    can read (see `Storage.readers`); they feed no copy here."""
+    wanted = {item: t for item, t in shared.items() if t.reader == rank and item not in mine}
+    if not wanted:
+        return []
+    return [ReadItem(key, box, t.start, t.end) for key, meta in metadata.tensors.items() for box in meta.boxes
+            for t in [wanted.get((box.file, box.offset))] if t is not None]
 
 
 def _shown(keys: List[str]) -> str:

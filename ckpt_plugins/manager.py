@@ -5,6 +5,10 @@ after a commit (from the commit itself, so a crash at any point leaves it naming
 checkpoint); `keep_last=N` retention; listing of committed steps; cleanup of what crashed saves
 left behind, and only that; `root/telemetry.jsonl`, the run's history (one line per save and load:
 stall, commit time, size, throughput, slowest rank and phase), read by `bcp trace ROOT --history`.
+
+With `memory_every` (the memory tier, `tier.MemoryTier`), saves go to the hosts' shared memory,
+replicated to a peer host, and every `persist_every`-th step also to `root`, from the memory copy;
+`load` then recovers the newest step complete in memory, else the newest one in `root`.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from .errors import NotACheckpointError
 from .format import METADATA_FILE
 from .storage import storage_for
 from .telemetry import append_history, summary
+from .tier import MemoryTier
 
 LATEST = "latest"
 log = logging.getLogger("ckpt_plugins")
@@ -25,15 +30,28 @@ log = logging.getLogger("ckpt_plugins")
 
 class CheckpointManager:
     def __init__(self, root, keep_last: Optional[int] = None, prefix: str = "step_", checkpointer=None,
-                 process_group=None):
+                 process_group=None, *, memory_every: Optional[int] = None, persist_every: Optional[int] = None,
+                 memory_keep: int = 1, memory_dir: Optional[str] = None):
+        """`memory_every=m`: steps that are multiples of m are saved to the memory tier (async: `save`
+        returns the handle once the snapshot is taken); `persist_every=k`: multiples of k are also
+        written to `root`, from memory; other steps are not saved. `memory_keep`: memory steps kept
+        per host; `memory_dir`: this host's tier directory (default: in /dev/shm, one per root)."""
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (the newest committed checkpoint is always kept)")
+        for name, every in (("memory_every", memory_every), ("persist_every", persist_every)):
+            if every is not None and every < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if persist_every is not None and memory_every is None:
+            raise ValueError("persist_every needs the memory tier: set memory_every too")
         self.root = str(root).rstrip("/")
         self.storage = storage_for(self.root)
         self.keep_last, self.prefix = keep_last, prefix
         self.checkpointer = checkpointer or default_checkpointer(process_group)
         self._pattern = re.compile(re.escape(prefix) + r"(\d+)")
         self._protected: set = set()  # steps being loaded by this process: never deleted
+        self.memory_every, self.persist_every = memory_every, persist_every
+        self.tier = None if memory_every is None else MemoryTier(self.checkpointer, self.root, keep=memory_keep,
+                                                                 directory=memory_dir)
 
     def name(self, step: int) -> str:
         """The step's directory: an existing one (e.g. Megatron's zero-padded iter_0001000), else
@@ -71,19 +89,39 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def save(self, step: int, state: Dict[str, Any], **options):
-        """`Checkpointer.save` into `path(step)`; `latest` and retention follow its commit."""
+        """`Checkpointer.save` into `path(step)`; `latest` and retention follow its commit. With the
+        memory tier: to memory (and `root` on persisted steps) when the step is due, else None."""
         def committed() -> None:
             self.storage.put_atomic(LATEST, str(int(step)).encode())
             self._retain(int(step))
-        return self.checkpointer.save(self.path(step), state, step=int(step), on_commit=committed,
-                                      on_summary=lambda figures: self._append({**figures, "step": int(step),
-                                                                               "op": "save"}), **options)
+
+        def history(figures: Dict[str, Any]) -> None:
+            self._append({**figures, "step": int(step), "op": "save"})
+
+        if self.tier is None:
+            return self.checkpointer.save(self.path(step), state, step=int(step), on_commit=committed,
+                                          on_summary=history, **options)
+        durable = self.persist_every is not None and int(step) % self.persist_every == 0
+        if int(step) % self.memory_every and not durable:
+            return None
+        wait = not options.pop("async_", True)  # the run's history gets the persisted steps
+        handle = self.tier.save(step, state, persist_to=storage_for(self.path(step)) if durable else None,
+                                on_commit=committed if durable else None, on_summary=history if durable else None,
+                                **options)
+        return handle.wait() if wait else handle
 
     def load(self, state: Dict[str, Any], step: Optional[int] = None, **options):
-        """Load `step` (default: latest) into `state`."""
+        """Load `step` (default: latest) into `state`. With the memory tier, every rank calls it
+        and they agree on the step: the newest complete in memory, else the newest in `root`
+        (`result.step` and `result.source` say which)."""
+        if self.tier is not None:
+            return self.tier.recover(state, self.latest(), lambda s: self._load(state, s, **options), step)
         step = self.latest() if step is None else int(step)
         if step is None:
             raise NotACheckpointError(f"{self.storage} holds no committed checkpoint")
+        return self._load(state, step, **options)
+
+    def _load(self, state: Dict[str, Any], step: int, **options):
         self._protected.add(step)
         try:
             result = self.checkpointer.load(self.path(step), state, **options)
@@ -92,10 +130,12 @@ class CheckpointManager:
         if result.telemetry is not None and result.telemetry.rank == 0 and result.ranks:
             read = sum(r.phase("read").bytes for r in result.ranks if r.phase("read") is not None)
             self._append({**summary(result.ranks, read), "step": step, "op": "load"})
+        result.step, result.source = step, "storage"
         return result
 
     def _append(self, row: Dict[str, Any]) -> None:
         try:
+            self.storage.prepare()  # a persisted memory step reports before its root is written
             append_history(self.storage, row)
         except OSError as exc:  # the history is never needed to load anything
             log.warning("%s: could not add step %s to the run's history: %s", self.storage, row["step"], exc)

@@ -12,7 +12,7 @@ import math
 import operator
 import pickle
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import LoadMismatchError
 from .gcpause import gc_paused
@@ -385,13 +385,16 @@ class Assignment:
 
 @gc_paused
 def assign_transfers(requests: Sequence[Sequence[Request]], digests: Optional[Sequence] = None,
-                     rank: Optional[int] = None) -> Assignment:
+                     rank: Optional[int] = None,
+                     readers: Optional[Callable[[str], Optional[Sequence[int]]]] = None) -> Assignment:
     """Pick one reader for every stored item that several ranks read (pure; same on every rank).
 
     The reader is one of the ranks needing the item, balancing bytes read across ranks; it reads
     the union of the needed ranges. Items only one rank needs are left to that rank. `digests`
     (each rank's request runs, `runs_of`, or one digest per rank): runs several ranks request
     alike are handled once. With `rank`, only the transfers that rank reads or needs are built.
+    `readers(file)`: the ranks that can read a file (None: all); an item no needer can read is
+    read by one that can, which passes it on to every needer.
     """
     groups: Dict[object, list] = {}  # run -> [ranks, leader, start, end]
     for r, reqs in enumerate(requests):
@@ -407,8 +410,14 @@ def assign_transfers(requests: Sequence[Sequence[Request]], digests: Optional[Se
             needs.setdefault((file, offset), []).append((ranks, start, end, regions))
     load = LeastLoaded(len(requests))
     shared = []
+    able: Dict[str, Optional[Tuple[int, ...]]] = {}
+    if readers is not None:
+        for file, _ in needs:
+            if file not in able:
+                found = readers(file)
+                able[file] = None if found is None else tuple(sorted(found))
     for item, users in needs.items():
-        if len(users) == 1 and len(users[0][0]) == 1:
+        if len(users) == 1 and len(users[0][0]) == 1 and (able.get(item[0]) is None or users[0][0][0] in able[item[0]]):
             load.add(users[0][0][0], users[0][2] - users[0][1])
         else:
             shared.append((min(u[1] for u in users), max(u[2] for u in users), item))
@@ -422,9 +431,15 @@ def assign_transfers(requests: Sequence[Sequence[Request]], digests: Optional[Se
             needers = tuple(r for u in users for r in u[0])
             cached = needer_sets[by_groups] = (needers, frozenset(needers) if rank is not None else frozenset())
         needers = cached[0]
-        reader = load.pick(needers)
+        can = able.get(item[0])
+        if can is not None:
+            if not can:
+                raise LoadMismatchError(f"{item[0]} is needed but no rank of this job can read it")
+            reader = load.pick(tuple(r for r in needers if r in can) or can)
+        else:
+            reader = load.pick(needers)
         load.add(reader, end - start)
-        if rank is None or rank in cached[1]:
+        if rank is None or rank in cached[1] or rank == reader:
             out[item] = Transfer(reader, needers, tuple(u[3] for u in users for _ in u[0]), start, end, tag)
     return Assignment(out, len(shared))
 

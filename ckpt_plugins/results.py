@@ -19,6 +19,7 @@ class SaveInfo:
     timings: Dict[str, float] = field(default_factory=dict)  # seconds per phase (wall), and the stall
     telemetry: Optional[RankTelemetry] = None  # this rank's phases
     ranks: List[RankTelemetry] = field(default_factory=list)  # every rank's, on the coordinating rank
+    files: Dict[str, int] = field(default_factory=dict)  # the files this rank wrote, with their sizes
 
     def summary(self) -> Dict[str, object]:
         """The whole save's figures (on the coordinating rank; elsewhere this rank's view)."""
@@ -35,6 +36,8 @@ class LoadResult:
     unexpected_keys: List[str] = field(default_factory=list)
     kept_per_rank: List[str] = field(default_factory=list)  # per-rank objects no rank like ours saved
     read_bytes: int = 0  # bytes this rank read from storage
+    step: Optional[int] = None  # the step a CheckpointManager loaded
+    source: str = ""  # where it came from: "storage" or "memory" (the memory tier)
     collectives: int = 0
     telemetry: Optional[RankTelemetry] = None  # this rank's phases
     ranks: List[RankTelemetry] = field(default_factory=list)  # every rank's

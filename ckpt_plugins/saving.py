@@ -28,7 +28,7 @@ from .fragment import sub_view
 from .objects import encode_object
 from .plan import place, specs_of
 from .plan_cache import CachedPlan, PlanCache
-from .results import SaveHandle
+from .results import SaveHandle, SaveInfo
 from .staging import StagingPool, StagingSlot
 from .state import root_handler
 from .storage import Storage
@@ -59,9 +59,10 @@ class Save:
     def __init__(self, storage: Storage, state: Dict[str, Any], coord: Coordinator, pool: StagingPool,
                  cache: PlanCache, *, meta_extra: Dict[str, Any], overwrite: bool,
                  on_commit: Optional[Callable[[], None]], mode: str = "sync", telemetry: bool = True,
-                 on_summary: Optional[Callable[[Dict[str, Any]], None]] = None, base=None):
+                 on_summary: Optional[Callable[[Dict[str, Any]], None]] = None, base=None,
+                 then: Optional[Callable[[Coordinator, "SaveInfo"], None]] = None):
         self.storage, self.state, self.coord, self.pool, self.cache = storage, state, coord, pool, cache
-        self.base = base
+        self.base, self.then = base, then
         self.meta_extra, self.overwrite, self.on_commit, self.on_summary = meta_extra, overwrite, on_commit, on_summary
         self.handle = SaveHandle(str(storage))
         self.what = f"save to {storage}"
@@ -185,6 +186,7 @@ class Save:
                     (key, ObjectMeta(file=f, offset=off, nbytes=len(data), crc32c=crc, encoding=enc, rank=rank))
                     for (key, enc, data, rank), (f, off), crc in zip(self.objects, self.placed, checksums[n:])],
                     job.sizes)
+                info.files = dict(job.sizes)
             except Exception as exc:
                 files = ", ".join(sorted(job.sizes)) or "nothing"
                 report = WriteReport(RankFailure(bg.rank, type(exc).__name__, f"{exc} (writing {files})"))
@@ -206,6 +208,8 @@ class Save:
                 then = ("It is committed, but the step after the commit failed" if outcome.committed else
                         "Nothing was committed; the previous checkpoint is still the latest")
                 raise failure_error(outcome.failures, self.what, then, SaveError)
+            if self.then is not None:
+                self.then(bg, info)
         except BaseException as exc:
             error = exc if isinstance(exc, SaveError) else SaveError(f"{self.what} failed: {exc}")
         finally:

@@ -17,19 +17,30 @@ from typing import Dict, Optional, Tuple
 import torch
 
 SHM_DIR = "/dev/shm"
+HOST_ENV, SHM_DIR_ENV = "CKPT_PLUGINS_HOST", "CKPT_PLUGINS_SHM_DIR"
 _NAME = re.compile(r"ckpt_plugins-(\d+)-[0-9a-f]{16}")
 HEADER_BYTES = 128  # where a range lies: its offset (8 bytes) and the segment's path
 
 
+def shm_dir() -> str:
+    """This host's shared-memory directory: /dev/shm, or `CKPT_PLUGINS_SHM_DIR` (a tmpfs
+    directory of its own per simulated host in tests, or a larger tmpfs mount)."""
+    return os.environ.get(SHM_DIR_ENV) or SHM_DIR
+
+
 def host_key() -> Optional[str]:
-    """Ranks with equal keys can share segments: same host, boot, /dev/shm mount and user. None
-    where there is no writable /dev/shm."""
+    """Ranks with equal keys can share segments: same host, boot, shared-memory mount and user
+    (`CKPT_PLUGINS_HOST` is added, so groups of local processes can act as separate hosts).
+    None where there is no writable shared-memory directory."""
     try:
-        if not os.access(SHM_DIR, os.W_OK):
+        directory = shm_dir()
+        if not os.access(directory, os.W_OK):
             return None
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        return f"{socket.gethostname()}/{boot}/{os.stat(SHM_DIR).st_dev}/{os.getuid()}"
+        key = f"{socket.gethostname()}/{boot}/{os.stat(directory).st_dev}/{os.getuid()}"
+        simulated = os.environ.get(HOST_ENV)
+        return f"{key}/{simulated}" if simulated else key
     except OSError:
         return None
 
@@ -37,15 +48,16 @@ def host_key() -> Optional[str]:
 def remove_stale() -> None:
     """Remove the segments of processes on this host that are gone: a reader killed before every
     rank attached could not remove its own."""
+    directory = shm_dir()
     try:
-        names = os.listdir(SHM_DIR)
+        names = os.listdir(directory)
     except OSError:
         return
     for name in names:
         m = _NAME.fullmatch(name)
         if m and not _alive(int(m.group(1))):
             try:
-                os.unlink(os.path.join(SHM_DIR, name))
+                os.unlink(os.path.join(directory, name))
             except OSError:
                 pass
 
@@ -70,7 +82,7 @@ class Segment:
     @classmethod
     def create(cls, nbytes: int) -> "Segment":
         remove_stale()
-        path = os.path.join(SHM_DIR, f"ckpt_plugins-{os.getpid()}-{secrets.token_hex(8)}")
+        path = os.path.join(shm_dir(), f"ckpt_plugins-{os.getpid()}-{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # reserve the memory now: a full /dev/shm raises here, not SIGBUS on a later write
@@ -85,7 +97,7 @@ class Segment:
     @classmethod
     def attach(cls, path: str) -> "Segment":
         """Another rank's segment, by the path it sent (checked to be one of ours in /dev/shm)."""
-        if os.path.dirname(path) != SHM_DIR or not _NAME.fullmatch(os.path.basename(path)):
+        if os.path.dirname(path) != shm_dir() or not _NAME.fullmatch(os.path.basename(path)):
             raise ValueError(f"not a ckpt_plugins shared-memory segment: {path!r}")
         fd = os.open(path, os.O_RDWR)
         try:

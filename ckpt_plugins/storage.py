@@ -10,7 +10,7 @@ import errno
 import os
 import shutil
 from abc import ABC, abstractmethod
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -47,6 +47,12 @@ class Storage(ABC):
     def direct_alignment(self) -> Optional[int]:
         """The alignment (of file offset, memory address and length) at which `read_into` bypasses
         the page cache; None when it never does. Loads then stage reads in aligned memory."""
+        return None
+
+    def readers(self, name: str) -> Optional[Sequence[int]]:
+        """The ranks of the loading job that can read file `name`; None when every rank can (a
+        shared filesystem or object store). Loads read a file only on its readers and pass the
+        bytes on (the memory tier's files live on some hosts only)."""
         return None
 
     @abstractmethod

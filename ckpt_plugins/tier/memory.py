@@ -1,0 +1,163 @@
+"""The memory tier: checkpoints kept in the hosts' shared memory, each rank's files replicated to
+another host, recoverable (and reshardable) after the loss of any one host.
+
+A memory save is an async save into the host's tier directory (`HostDir`), in the on-disk format;
+after its commit, on the background group and before it counts as done: the metadata goes to
+every host, each rank's files to its replica rank on the next host (`replicate`), older steps are
+dropped, and every `persist_every`-th step is written to durable storage from the memory copy
+(`persist`). Recovery (`recover`) agrees on the newest step complete on the surviving hosts, else
+the newest durable one, and loads it through the ordinary planner: any number of ranks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Dict, Optional
+
+from .. import shm
+from ..coordinator import Coordinator
+from ..errors import NotACheckpointError
+from ..failure import RankFailure
+from ..format import METADATA_FILE
+from ..results import LoadResult, SaveInfo
+from ..storage import Storage
+from .hostdir import HostDir
+from .layout import Choice, HostReport, Hosts, choose
+from .persist import persist
+from .replicate import replicate
+from .storage import TierStorage
+
+log = logging.getLogger("ckpt_plugins")
+
+
+class MemoryTier:
+    """`keep`: committed memory steps each host keeps (the newest; the step being saved comes on
+    top until it commits). `directory`: this host's tier directory (default: one per run in the
+    shared-memory directory, `shm.shm_dir()`)."""
+
+    def __init__(self, checkpointer, root: str, *, keep: int = 1, directory: Optional[str] = None):
+        if keep < 1:
+            raise ValueError("memory_keep must be at least 1")
+        self.checkpointer, self.keep = checkpointer, keep
+        self.host = HostDir(root, directory)
+        self.hosts: Optional[Hosts] = None
+        self.timings: Dict[str, float] = {}  # the last recovery's agreement and load seconds
+
+    def _start(self, coord: Coordinator, fresh: bool) -> Hosts:
+        """Learn the hosts (once). A job that saves before any recovery starts afresh: what an
+        earlier run left in memory is dropped, or a later recovery could take its newer steps."""
+        if self.hosts is None:
+            what = "starting the memory tier"
+            hosts = Hosts(tuple(coord.agree(None, shm.host_key() or f"rank-{coord.rank}", what=what)))
+            failure = None
+            try:
+                if fresh and hosts.leader(coord.rank):
+                    self.host.drop(())
+            except Exception as exc:
+                failure = RankFailure.of(coord.rank, exc)
+            coord.agree(failure, what=what)  # nobody writes a step before its host dropped the stale ones
+            if len(hosts.groups) == 1:
+                log.warning("memory tier: every rank is on one host, so there is no replica: memory "
+                            "steps survive a restart of the job's processes, not the loss of the host")
+            self.hosts = hosts
+        return self.hosts
+
+    # ------------------------------------------------------------ save
+
+    def save(self, step: int, state: Dict[str, Any], *, persist_to: Optional[Storage] = None,
+             overwrite: bool = False, on_commit: Optional[Callable[[], None]] = None, **options):
+        """Save `step` to memory (async: returns the SaveHandle once the snapshot is taken); with
+        `persist_to`, also to that storage, from the memory copy, before the handle is done."""
+        hosts = self._start(self.checkpointer._groups(), fresh=True)
+        step = int(step)
+
+        def then(bg: Coordinator, info: SaveInfo) -> None:
+            self._after_commit(bg, hosts, step, info, persist_to, overwrite, on_commit)
+
+        return self.checkpointer.save(self.host.storage(step), state, async_=True, step=step, overwrite=True,
+                                      then=then, **options)
+
+    def _after_commit(self, bg: Coordinator, hosts: Hosts, step: int, info: SaveInfo, persist_to, overwrite,
+                      on_commit) -> None:
+        what = f"replicating memory step {step}"
+        failure, metadata = None, None
+        try:
+            if bg.is_coordinator:
+                metadata = self.host.storage(step).read_bytes(METADATA_FILE)
+        except Exception as exc:
+            failure = RankFailure.of(bg.rank, exc)
+        gathered = bg.agree(failure, (info.files, metadata), what=what)
+        files, metadata = [g[0] for g in gathered], gathered[0][1]
+        failure = replicate(bg, hosts, files, self.host, step)
+        try:
+            if failure is None and hosts.leader(bg.rank) and not bg.is_coordinator:
+                self.host.write_metadata(step, metadata)
+        except Exception as exc:
+            failure = RankFailure.of(bg.rank, exc)
+        bg.agree(failure, what=what, then="The previous memory step is kept")
+        if hosts.leader(bg.rank):  # the new step is whole on every host: older ones can go
+            older = sorted(s for s in self.host.steps() if s <= step)  # newer ones: saves in flight
+            self.host.drop(older[-self.keep:] + [s for s in self.host.steps() if s > step])
+        if persist_to is not None:
+            persist(bg, self.host, step, info.files, metadata, persist_to, overwrite=overwrite, on_commit=on_commit)
+
+    # ------------------------------------------------------------ recovery
+
+    def recover(self, state: Dict[str, Any], durable: Optional[int],
+                load_durable: Callable[[int], LoadResult], step: Optional[int] = None) -> LoadResult:
+        """Load the newest step complete in the memory of the surviving hosts, else durable step
+        `durable` (through `load_durable`); every rank agrees on the choice, which is logged.
+        `step`: that step only (memory when it is complete there)."""
+        coord = self.checkpointer._groups()
+        t0 = time.time()
+        hosts = self._start(coord, fresh=False)
+        failure, report = None, HostReport({}, durable)
+        try:
+            report.steps = {s: f for s, f in self.host.inventory().items() if step is None or s == int(step)}
+        except Exception as exc:
+            failure = RankFailure.of(coord.rank, exc)
+        reports = coord.agree(failure, report, what="memory-tier recovery", then="Nothing was loaded")
+        choice = choose(hosts, reports, METADATA_FILE)
+        if step is not None and choice.step != int(step):
+            choice = Choice(int(step), "storage", why=choice.why)
+        if choice.step is None:
+            raise NotACheckpointError(f"nothing to recover: {choice.why} (memory tier {self.host}, "
+                                      f"{len(hosts.groups)} host(s))")
+        if coord.is_coordinator:
+            log.info("recovery: loading step %d from %s%s%s", choice.step,
+                     "memory" if choice.source == "memory" else "storage",
+                     f"; newest durable step: {durable}" if choice.source == "memory" else "",
+                     f" ({choice.why})" if choice.why else "")
+        if choice.source == "memory":
+            storage = self._storage(coord, choice)
+            self.timings["agree"] = time.time() - t0
+            t = time.time()
+            result = self.checkpointer.load(storage, state)
+        else:
+            self.timings["agree"] = time.time() - t0
+            t = time.time()
+            result = load_durable(choice.step)
+        self.timings["load"] = time.time() - t
+        result.step, result.source = choice.step, choice.source
+        failure = None
+        try:  # only the step loaded stays: the next saves' steps start clean
+            if hosts.leader(coord.rank):
+                self.host.drop([choice.step] if choice.source == "memory" else [])
+        except Exception as exc:
+            failure = RankFailure.of(coord.rank, exc)
+        coord.agree(failure, what="memory-tier recovery", then="The step was loaded")
+        return result
+
+    def _storage(self, coord: Coordinator, choice: Choice) -> TierStorage:
+        """The chosen step as this rank loads it; the metadata and object files go to every rank."""
+        failure, mine = None, {}
+        try:
+            storage = self.host.storage(choice.step)
+            mine = {name: storage.read_bytes(name) for name, rank in choice.small.items() if rank == coord.rank}
+        except Exception as exc:
+            failure = RankFailure.of(coord.rank, exc)
+        small = {}
+        for part in coord.agree(failure, mine, what="memory-tier recovery", then="Nothing was loaded"):
+            small.update(part)
+        return TierStorage(self.host.storage(choice.step), choice.sizes, choice.holders, small,
+                           f"memory step {choice.step} ({self.host})")

@@ -1,0 +1,62 @@
+"""Persisting a committed memory step to durable storage, read from the memory copy: each rank
+writes the files it wrote to memory, the coordinator commits the same metadata. No snapshot, so
+training does not wait."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Dict, Optional
+
+from ..commit import Commit
+from ..coordinator import Coordinator
+from ..errors import SaveError
+from ..failure import RankFailure
+from ..format import decode_metadata
+from ..storage import Storage
+from ..hostmem import aligned_empty
+from .hostdir import PIECE, HostDir, pieces
+
+log = logging.getLogger("ckpt_plugins")
+
+
+def persist(coord: Coordinator, host: HostDir, step: int, files: Dict[str, int], metadata: Optional[bytes],
+            target: Storage, *, overwrite: bool, on_commit: Optional[Callable[[], None]]) -> None:
+    """Every rank calls it with the files it wrote to memory step `step`; the coordinator passes
+    the step's metadata. Raises the same SaveError on every rank if any rank failed; the target
+    is committed only when every file is there."""
+    what = f"persisting memory step {step} to {target}"
+    then = "Nothing was committed there; the step is still in memory"
+    t0, commit, failure = time.time(), None, None
+    try:
+        try:
+            if coord.is_coordinator:
+                commit = Commit.open(target, overwrite)
+        except Exception as exc:
+            failure = RankFailure.of(coord.rank, exc)
+        coord.agree(failure, what=what, then=then, default=SaveError)  # the lock is held: write
+        try:
+            buffer = aligned_empty(PIECE)  # page aligned: the writer can bypass the page cache
+            for name in sorted(files):
+                writer = target.open_writer(name)
+                try:
+                    for _, offset, n in pieces({name: files[name]}):
+                        host.read_piece(step, name, offset, buffer[:n])
+                        writer.write(buffer[:n].numpy())
+                finally:
+                    writer.close()
+        except Exception as exc:
+            failure = RankFailure.of(coord.rank, exc)
+        coord.agree(failure, what=what, then=then, default=SaveError)
+        if commit is not None:
+            try:
+                commit.commit(decode_metadata(metadata))
+                if on_commit is not None:
+                    on_commit()
+            except Exception as exc:
+                failure = RankFailure.of(coord.rank, exc)
+        coord.agree(failure, what=what, default=SaveError)
+    finally:
+        if commit is not None:
+            commit.close()
+    if coord.is_coordinator:
+        log.info("persisted memory step %d to %s in %.2f s", step, target, time.time() - t0)
