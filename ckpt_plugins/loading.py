@@ -128,7 +128,7 @@ class Load:
             hosts = None
         return read_items(self.storage, reads, self.items.fragments,
                           {k: m.dtype for k, m in metadata.tensors.items()}, metadata.chunk_bytes,
-                          self.read_threads, transfers, coord, hosts, self.recorder)
+                          self.storage.read_parallelism(self.read_threads), transfers, coord, hosts, self.recorder)
 
     def _objects(self, metadata, result: LoadResult) -> None:
         for key, setter in self.items.objects.items():

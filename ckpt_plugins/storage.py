@@ -49,6 +49,11 @@ class Storage(ABC):
         the page cache; None when it never does. Loads then stage reads in aligned memory."""
         return None
 
+    def read_parallelism(self, default: int) -> int:
+        """How many reads to keep in flight: `default` (more than the cores, since reads mostly wait
+        on a device). Storage in memory overrides it: its reads are copies, CPU-bound."""
+        return default
+
     def readers(self, name: str) -> Optional[Sequence[int]]:
         """The ranks of the loading job that can read file `name`; None when every rank can (a
         shared filesystem or object store). Loads read a file only on its readers and pass the

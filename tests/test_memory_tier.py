@@ -1,6 +1,8 @@
 """The memory tier with real processes on simulated hosts (a host key and a shared-memory
 directory per group of ranks): recovery after losing a host, resharded to fewer ranks; a crash
 during a memory save; both hosts lost; reads passed on from the only host holding a file."""
+import io
+import logging
 import os
 import re
 import shutil
@@ -85,8 +87,13 @@ def restart(rank, world, hosts_dir, root, out, hosts, expect_step, expect_source
     on_host(hosts_dir, hosts[rank])
     from test_hf_fsdp1 import make
     model, opt = make("fsdp2", 1)
+    logs = io.StringIO()
+    logging.getLogger("ckpt_plugins").addHandler(logging.StreamHandler(logs))
+    logging.getLogger("ckpt_plugins").setLevel(logging.INFO)
     result = manager(root).load({"model": model, "optim": opt})
-    assert (result.step, result.source) == (expect_step, expect_source)
+    assert (result.step, result.source) == (expect_step, expect_source)  # on every rank: agreed
+    if rank == 0:
+        assert f"recovery: loading step {expect_step} from {expect_source}" in logs.getvalue(), logs.getvalue()
     assert_same(torch.load(os.path.join(out, f"ref{expect_step}.pt")), full_state(model, opt))
     losses = torch.load(os.path.join(out, "losses.pt"))
     for step in range(expect_step + 1, expect_step + 1 + train):

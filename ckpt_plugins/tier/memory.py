@@ -110,6 +110,8 @@ class MemoryTier:
         `step`: that step only (memory when it is complete there)."""
         coord = self.checkpointer._groups()
         t0 = time.time()
+        if self.checkpointer._last is not None:  # a memory save still replicating: its step must not be dropped
+            self.checkpointer._last.wait_quietly()
         hosts = self._start(coord, fresh=False)
         failure, report = None, HostReport({}, durable)
         try:
