@@ -35,7 +35,8 @@ class HostDir:
     restarted job finds what the previous one left."""
 
     def __init__(self, root: str, directory: Optional[str] = None):
-        run = hashlib.sha256(root.encode()).hexdigest()[:16]
+        name = root if "://" in root else os.path.abspath(root)  # a restart may name it otherwise
+        run = hashlib.sha256(name.encode()).hexdigest()[:16]
         self.path = directory or os.path.join(shm.shm_dir(), f"ckpt_plugins-tier-{run}")
 
     def __str__(self) -> str:
