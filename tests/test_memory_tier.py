@@ -249,6 +249,38 @@ def test_a_failed_replication_fails_the_save_everywhere_and_keeps_the_previous_s
         shutil.rmtree(root, ignore_errors=True)
 
 
+def test_one_process_persists_from_memory_and_recovers_either_way(tmp_path):
+    """No process group: memory steps, every 2nd persisted; a persist that fails keeps the step in
+    memory; a restart takes memory, then storage once the memory is gone."""
+    memory = tempfile.mkdtemp(prefix="ckpt-tier-", dir=shm.SHM_DIR)
+    try:
+        root = tmp_path / "run"
+        w = torch.zeros(64, 8)
+        mgr = cp.CheckpointManager(root, memory_every=1, persist_every=2, memory_dir=memory)
+        for step in (1, 2, 3):
+            w.fill_(step)
+            mgr.save(step, {"w": w, "step": step}).wait()
+        assert mgr.steps() == [2] and sorted(os.listdir(memory)) == ["step_3"]
+        (tmp_path / "blocked").write_text("a file where the next step's directory would go")
+        blocked = cp.CheckpointManager(tmp_path / "blocked" / "run", memory_every=1, persist_every=2,
+                                       memory_dir=memory)
+        w.fill_(4)
+        with pytest.raises(cp.SaveError, match="persisting memory step 4 to .* failed: rank 0: "
+                                               "(NotADirectoryError|FileExistsError)"):
+            blocked.save(4, {"w": w, "step": 4}).wait()
+        assert sorted(os.listdir(memory)) == ["step_4"]  # in memory all the same
+        got = {"w": torch.zeros(64, 8), "step": None}
+        result = cp.CheckpointManager(root, memory_every=1, memory_dir=memory).load(got)
+        assert (result.step, result.source, got["step"]) == (4, "memory", 4) and torch.equal(got["w"], w)
+        shutil.rmtree(memory)
+        result = cp.CheckpointManager(root, memory_every=1, memory_dir=memory).load(got)
+        assert (result.step, result.source, got["step"]) == (2, "storage", 2) and bool((got["w"] == 2).all())
+        with pytest.raises(cp.NotACheckpointError, match="nothing to recover"):
+            cp.CheckpointManager(tmp_path / "empty", memory_every=1, memory_dir=memory).load(got)
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+
+
 # ------------------------------------------------------------------ pure
 
 
