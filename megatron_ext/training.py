@@ -12,7 +12,9 @@ imported them by name (`training`); without the flag (`--ckpt-backend native`,
 the default) they call Megatron's own. Kept: `--save`/`--load`, `iter_NNNNNNN` directories,
 `latest_checkpointed_iteration.txt` (written by rank 0 once the checkpoint has committed), `--ckpt-step`,
 `--finetune`, `--no-save-optim`/`--no-load-optim`, `--no-save-rng`/`--no-load-rng`, `--async-save`
-(an asynchronous ckpt_plugins save), the iteration, FLOPs so far, consumed samples, the LR scheduler
+(an asynchronous ckpt_plugins save), `--non-persistent-save-interval` (saves to the memory tier,
+replicated to another host; a restart with `--load` = `--save` takes the newest of memory and the
+tracker's iteration, agreed by every rank), the iteration, FLOPs so far, consumed samples, the LR scheduler
 and RNG states (Python, NumPy, torch and Megatron's TP RNG tracker, per rank). `--load` may also name
 a ckpt_plugins checkpoint itself (one written by another framework): its weights (and optimizer
 state, when it has Megatron-compatible entries) load at iteration 0 unless it records one.
@@ -134,17 +136,51 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
         storage_for(args.save).put_atomic(TRACKER, str(iteration).encode())
 
     result = cp.save(checkpoint_dir(args.save, iteration), state, async_=bool(getattr(args, "async_save", False)),
-                   framework="megatron", step=int(iteration), overwrite=True, on_commit=write_tracker,
-                   layout={"tp": _ps().get_tensor_model_parallel_world_size(),
-                           "pp": _ps().get_pipeline_model_parallel_world_size(),
-                           "ep": _ps().get_expert_model_parallel_world_size(),
-                           "etp": _ps().get_expert_tensor_parallel_world_size(),
-                           "dp": _ps().get_data_parallel_world_size(),
-                           "distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False))})
+                     framework="megatron", step=int(iteration), overwrite=True, on_commit=write_tracker,
+                     layout=_layout(args))
+    _logged(result)
+    return result
+
+
+def save_to_memory(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far):
+    """A non-persistent save (`--non-persistent-save-interval`): to the memory tier, replicated to
+    another host (asynchronous: returns once the snapshot is taken)."""
+    from megatron.training import get_args
+    args = get_args()
+    state = saved_state(args, iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
+    handle = memory_tier(args).save(int(iteration), state, framework="megatron", layout=_layout(args))
+    _logged(handle)
+    return handle
+
+
+_tiers: Dict[str, Any] = {}
+
+
+def memory_tier(args):
+    """The run's memory tier (one per --save directory)."""
+    from ckpt_plugins.tier import MemoryTier
+    if args.save not in _tiers:
+        _tiers[args.save] = MemoryTier(cp.checkpointer(), args.save)
+    return _tiers[args.save]
+
+
+def _uses_memory(args, load_dir: str) -> bool:
+    """A restart of a run with non-persistent saves: --load is its --save directory."""
+    return bool(getattr(args, "non_persistent_save_interval", None) and args.save and load_dir
+                and os.path.abspath(str(load_dir)) == os.path.abspath(str(args.save)))
+
+
+def _layout(args) -> Dict[str, Any]:
+    return {"tp": _ps().get_tensor_model_parallel_world_size(), "pp": _ps().get_pipeline_model_parallel_world_size(),
+            "ep": _ps().get_expert_model_parallel_world_size(), "etp": _ps().get_expert_tensor_parallel_world_size(),
+            "dp": _ps().get_data_parallel_world_size(),
+            "distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False))}
+
+
+def _logged(result) -> None:
     _unlogged.append(result)
     for info in take_finished(_unlogged):  # an async save is logged once it has committed
         _log_save(info)
-    return result
 
 
 _unlogged: list = []  # SaveInfo or SaveHandle of saves whose figures are not logged yet
@@ -203,7 +239,16 @@ def load(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: 
     from megatron.training import get_args, print_rank_0
     args = get_args()
     load_dir = getattr(args, load_arg)
-    path = resolve(load_dir, getattr(args, "ckpt_step", None)) if load_dir else None
+    step = getattr(args, "ckpt_step", None)
+    found = None
+    if _uses_memory(args, load_dir):  # the newest of memory and the tracker's, agreed by every rank
+        try:
+            found = memory_tier(args).locate(tracked_iteration(load_dir), step)
+        except cp.NotACheckpointError:
+            return None
+        path = found.storage or checkpoint_dir(load_dir, found.step)
+    else:
+        path = resolve(load_dir, step) if load_dir else None
     if path is None:
         return None
     if not cp.is_checkpoint(path):
@@ -226,6 +271,8 @@ def load(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: 
         state["rng"], state["rng_tracker"] = cp.RNGState(), TrackerRNG()
     state.update({k: cp.Ignore() for k in stored if k not in state})
     cp.load(path, state, strict=strict)
+    if found is not None:
+        memory_tier(args).settle(found)
     values = run.values
     if full:
         saved = values.get("args", {})
@@ -263,10 +310,11 @@ def install() -> None:
 
     def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
                         *rest, **kwargs):
-        if not ours() or kwargs.get("non_persistent_ckpt"):
+        if not ours():
             return native_save(iteration, model, optimizer, opt_param_scheduler,
                                num_floating_point_operations_so_far, *rest, **kwargs)
-        save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
+        to = save_to_memory if kwargs.get("non_persistent_ckpt") else save
+        to(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
 
     def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True, *rest, **kwargs):
         result = load(ddp_model, optimizer, opt_param_scheduler, load_arg, strict) if ours() else None

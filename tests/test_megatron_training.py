@@ -117,6 +117,61 @@ def test_ckpt_backend_flag_saves_and_resumes_through_megatron_training_and_impor
     assert_same_canonical_state(os.path.join(ours, "iter_0000002"), imported, 60)
 
 
+def memory_worker(rank, world, root, hosts_dir, losses_path):
+    """4 ranks (DP4) on hosts a and b: a durable save at iteration 2, a non-persistent one (the
+    memory tier) at 3, then the uninterrupted run's next two losses."""
+    from test_memory_tier import on_host
+    on_host(hosts_dir, "a" if rank < 2 else "b")
+    args, model, opt, sched = hooked_job(1, 1, root)  # Megatron importable from here on (its shim)
+    import megatron_util as mu
+    from megatron.training import training
+    args.non_persistent_save_interval = 1
+    for i in range(3):
+        mu.train_step(model, opt, i)
+        args.consumed_train_samples = 4 * (i + 1)
+        if i == 1:
+            training.save_checkpoint(2, [model], opt, sched, 20.0)
+    training.save_checkpoint(3, [model], opt, sched, 30.0, non_persistent_ckpt=True)
+    cp.checkpointer().wait()
+    assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]  # 3: memory only
+    losses = [mu.train_step(model, opt, 3 + i) for i in range(2)]
+    if rank == 0:
+        torch.save(losses, losses_path)
+    mu.destroy()
+
+
+def memory_restart_worker(rank, world, root, hosts_dir, losses_path):
+    from test_memory_tier import on_host
+    on_host(hosts_dir, "a")
+    args, model, opt, sched = hooked_job(1, 1, root, seed=9)
+    import megatron_util as mu
+    from megatron.training import checkpointing
+    args.non_persistent_save_interval = 1
+    assert checkpointing.load_checkpoint([model], opt, sched) == (3, 30.0)  # memory's 3, not the tracker's 2
+    assert args.consumed_train_samples == 12
+    resumed = [mu.train_step(model, opt, 3 + i) for i in range(2)]
+    for got, want in zip(resumed, torch.load(losses_path)):
+        assert abs(got - want) <= 2e-3 * abs(want), (resumed, want)
+    mu.destroy()
+
+
+def test_non_persistent_saves_go_to_the_memory_tier_and_a_restart_on_fewer_ranks_takes_them(tmp_path):
+    """`--non-persistent-save-interval` with our backend: Megatron's non-persistent saves go to the
+    memory tier; host b is lost, and Megatron's load_checkpoint on the 2 ranks of host a takes the
+    newer memory step over the tracker's (DP4 -> DP2, distributed optimizer)."""
+    import shutil
+    import tempfile
+    from ckpt_plugins import shm
+    hosts_dir = tempfile.mkdtemp(prefix="ckpt-hosts-", dir=shm.SHM_DIR)
+    try:
+        root, losses = str(tmp_path / "run"), str(tmp_path / "losses.pt")
+        run_ranks(4, memory_worker, root, hosts_dir, losses)
+        shutil.rmtree(os.path.join(hosts_dir, "b"))
+        run_ranks(2, memory_restart_worker, root, hosts_dir, losses)
+    finally:
+        shutil.rmtree(hosts_dir, ignore_errors=True)
+
+
 def assert_same_canonical_state(ours, imported, at_least):
     """Two checkpoints hold the same weights, optimizer state, scheduler and param groups."""
     from ckpt_plugins.offline import open_checkpoint, read_tensor

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 from .. import shm
@@ -28,6 +29,14 @@ from .replicate import replicate
 from .storage import TierStorage
 
 log = logging.getLogger("ckpt_plugins")
+
+
+@dataclass
+class Located:
+    """The step recovery loads: from `storage` (memory), or durable when storage is None."""
+    step: int
+    source: str  # "memory" or "storage"
+    storage: Optional[TierStorage] = None
 
 
 class MemoryTier:
@@ -108,6 +117,18 @@ class MemoryTier:
         """Load the newest step complete in the memory of the surviving hosts, else durable step
         `durable` (through `load_durable`); every rank agrees on the choice, which is logged.
         `step`: that step only (memory when it is complete there)."""
+        found = self.locate(durable, step)
+        t = time.time()
+        result = self.checkpointer.load(found.storage, state) if found.storage else load_durable(found.step)
+        self.timings["load"] = time.time() - t
+        result.step, result.source = found.step, found.source
+        self.settle(found)
+        return result
+
+    def locate(self, durable: Optional[int], step: Optional[int] = None) -> Located:
+        """Agree on the step to load (collective; logged on rank 0): `storage` reads it from memory,
+        or it is durable step `step` (storage None). Raises NotACheckpointError when there is none.
+        A framework's loader reads the metadata and loads from it, then calls `settle`."""
         coord = self.checkpointer._groups()
         t0 = time.time()
         if self.checkpointer._last is not None:  # a memory save still replicating: its step must not be dropped
@@ -130,25 +151,20 @@ class MemoryTier:
                      "memory" if choice.source == "memory" else "storage",
                      f"; newest durable step: {durable}" if choice.source == "memory" else "",
                      f" ({choice.why})" if choice.why else "")
-        if choice.source == "memory":
-            storage = self._storage(coord, choice)
-            self.timings["agree"] = time.time() - t0
-            t = time.time()
-            result = self.checkpointer.load(storage, state)
-        else:
-            self.timings["agree"] = time.time() - t0
-            t = time.time()
-            result = load_durable(choice.step)
-        self.timings["load"] = time.time() - t
-        result.step, result.source = choice.step, choice.source
-        failure = None
-        try:  # only the step loaded stays: the next saves' steps start clean
-            if hosts.leader(coord.rank):
-                self.host.drop([choice.step] if choice.source == "memory" else [])
+        found = Located(choice.step, choice.source, self._storage(coord, choice) if choice.source == "memory" else None)
+        self.timings["agree"] = time.time() - t0
+        return found
+
+    def settle(self, found: Located) -> None:
+        """After the load (collective): only the step loaded stays in memory, so the next saves'
+        steps start clean."""
+        coord, failure = self.checkpointer._groups(), None
+        try:
+            if self.hosts.leader(coord.rank):
+                self.host.drop([found.step] if found.source == "memory" else [])
         except Exception as exc:
             failure = RankFailure.of(coord.rank, exc)
         coord.agree(failure, what="memory-tier recovery", then="The step was loaded")
-        return result
 
     def _storage(self, coord: Coordinator, choice: Choice) -> TierStorage:
         """The chosen step as this rank loads it; the metadata and object files go to every rank."""
