@@ -275,8 +275,12 @@ def test_one_process_persists_from_memory_and_recovers_either_way(tmp_path):
         shutil.rmtree(memory)
         result = cp.CheckpointManager(root, memory_every=1, memory_dir=memory).load(got)
         assert (result.step, result.source, got["step"]) == (2, "storage", 2) and bool((got["w"] == 2).all())
-        with pytest.raises(cp.NotACheckpointError, match="nothing to recover"):
+        os.makedirs(os.path.join(memory, "step_9", "data"))  # a save that never committed
+        with open(os.path.join(memory, "step_9", "data", "r0-0.bin"), "wb") as f:
+            f.write(b"partial")
+        with pytest.raises(cp.NotACheckpointError, match="nothing to recover: step 9: no surviving host has"):
             cp.CheckpointManager(tmp_path / "empty", memory_every=1, memory_dir=memory).load(got)
+        assert os.listdir(memory) == []  # dropped: the run starts afresh
     finally:
         shutil.rmtree(memory, ignore_errors=True)
 

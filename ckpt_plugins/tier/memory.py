@@ -105,8 +105,11 @@ class MemoryTier:
             failure = RankFailure.of(bg.rank, exc)
         bg.agree(failure, what=what, then="The previous memory step is kept")
         if hosts.leader(bg.rank):  # the new step is whole on every host: older ones can go
-            older = sorted(s for s in self.host.steps() if s <= step)  # newer ones: saves in flight
-            self.host.drop(older[-self.keep:] + [s for s in self.host.steps() if s > step])
+            try:
+                older = sorted(s for s in self.host.steps() if s <= step)  # newer ones: saves in flight
+                self.host.drop(older[-self.keep:] + [s for s in self.host.steps() if s > step])
+            except OSError as exc:  # housekeeping the next save retries; raising would strand the others
+                log.warning("memory tier: could not drop old steps in %s: %s", self.host, exc)
         if persist_to is not None:
             persist(bg, self.host, step, info.files, metadata, persist_to, overwrite=overwrite, on_commit=on_commit)
 
@@ -143,7 +146,8 @@ class MemoryTier:
         choice = choose(hosts, reports, METADATA_FILE)
         if step is not None and choice.step != int(step):
             choice = Choice(int(step), "storage", why=choice.why)
-        if choice.step is None:
+        if choice.step is None:  # what memory holds is incomplete: the run starts afresh
+            self.settle(Located(0, ""))
             raise NotACheckpointError(f"nothing to recover: {choice.why} (memory tier {self.host}, "
                                       f"{len(hosts.groups)} host(s))")
         if coord.is_coordinator:
