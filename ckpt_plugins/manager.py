@@ -104,10 +104,15 @@ class CheckpointManager:
         durable = self.persist_every is not None and int(step) % self.persist_every == 0
         if int(step) % self.memory_every and not durable:
             return None
+
+        def persisted_history(figures: Dict[str, Any]) -> None:
+            self.storage.prepare()  # the memory commit reports before the persisted copy made the root
+            history(figures)
+
         wait = not options.pop("async_", True)  # the run's history gets the persisted steps
         handle = self.tier.save(step, state, persist_to=storage_for(self.path(step)) if durable else None,
-                                on_commit=committed if durable else None, on_summary=history if durable else None,
-                                **options)
+                                on_commit=committed if durable else None,
+                                on_summary=persisted_history if durable else None, **options)
         return handle.wait() if wait else handle
 
     def load(self, state: Dict[str, Any], step: Optional[int] = None, **options):
@@ -135,7 +140,6 @@ class CheckpointManager:
 
     def _append(self, row: Dict[str, Any]) -> None:
         try:
-            self.storage.prepare()  # a persisted memory step reports before its root is written
             append_history(self.storage, row)
         except OSError as exc:  # the history is never needed to load anything
             log.warning("%s: could not add step %s to the run's history: %s", self.storage, row["step"], exc)

@@ -64,15 +64,19 @@ def start(workdir: str, timeout: float = 60, attempts: int = 3) -> S3Server:
     """A running server with a bucket `ckpt`. A start that fails (a port taken between choosing and
     binding it, a gateway that exits) is retried on fresh ports; the last failure names the log."""
     for attempt in range(1, attempts + 1):
-        server = _start(os.path.join(workdir, f"try{attempt}"), timeout)
-        if isinstance(server, S3Server):
-            return server
-        print(f"SeaweedFS start {attempt} failed, {attempts - attempt} tries left: {server}", file=sys.stderr)
-        if attempt == attempts:
-            raise RuntimeError(f"SeaweedFS did not start in {attempts} attempts: {server}")
+        try:
+            return _start(os.path.join(workdir, f"try{attempt}"), timeout)
+        except StartFailed as exc:
+            if attempt == attempts:
+                raise RuntimeError(f"SeaweedFS did not start in {attempts} attempts: {exc}") from None
+            print(f"SeaweedFS start {attempt} failed, {attempts - attempt} tries left: {exc}", file=sys.stderr)
 
 
-def _start(workdir: str, timeout: float):
+class StartFailed(RuntimeError):
+    """One start that failed, with the end of the server's log."""
+
+
+def _start(workdir: str, timeout: float) -> S3Server:
     data = os.path.join(workdir, "data")
     os.makedirs(data, exist_ok=True)
     config = os.path.join(workdir, "identities.json")
@@ -99,7 +103,7 @@ def _start(workdir: str, timeout: float):
         stop(server)
         with open(log_path, errors="replace") as log:
             tail = log.read()[-2000:]
-        return f"{type(exc).__name__}: {exc}; the end of {log_path}:\n{tail}"
+        raise StartFailed(f"{type(exc).__name__}: {exc}; the end of {log_path}:\n{tail}") from None
     except BaseException:
         stop(server)
         raise

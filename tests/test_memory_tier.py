@@ -2,6 +2,7 @@
 directory per group of ranks): recovery after losing a host, resharded to fewer ranks; a crash
 during a memory save; both hosts lost; reads passed on from the only host holding a file."""
 import io
+import json
 import logging
 import os
 import re
@@ -215,18 +216,25 @@ def test_a_file_on_one_surviving_host_is_read_there_and_passed_on():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def full_replica_memory(rank, world, hosts_dir, root, full):
-    """Host b's memory is full when step 2's replica arrives: the save fails on both ranks."""
+def full_replica_memory(rank, world, hosts_dir, root, full, where):
+    """Host b's memory is full when step 2's replica arrives (reserving the file, or writing a
+    piece): the save fails on both ranks, and no partial replica is left."""
     import errno
-    from ckpt_plugins.tier.hostdir import HostDir
+    from ckpt_plugins.tier.hostdir import HostDir, Landing
     on_host(hosts_dir, "ab"[rank])
     mgr = cp.CheckpointManager(root, memory_every=1)
     mgr.save(1, {"w": Rows(share(full, rank, world).clone(), full.shape, rank)}).wait()
-    if rank == 1:
-        HostDir.land = lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
+    def full_memory(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    if rank == 1 and where == "land":
+        HostDir.land = full_memory
+    elif rank == 1:
+        Landing.write = full_memory
     with pytest.raises(cp.SaveError) as err:
         mgr.save(2, {"w": Rows(share(full, rank, world) + 1, full.shape, rank)}).wait()
     assert "rank 1: OSError" in str(err.value) and "No space left" in str(err.value), err.value
+    step = mgr.tier.host.step_path(2)
+    assert not [f for _, _, fs in os.walk(step) for f in fs if f.endswith(".part")], list(os.walk(step))
 
 
 def survivor_of_b(rank, world, hosts_dir, root, full):
@@ -236,12 +244,13 @@ def survivor_of_b(rank, world, hosts_dir, root, full):
     assert (result.step, result.source) == (1, "memory") and torch.equal(whole, full)
 
 
-def test_a_failed_replication_fails_the_save_everywhere_and_keeps_the_previous_step():
+@pytest.mark.parametrize("where", ["land", "write"])
+def test_a_failed_replication_fails_the_save_everywhere_and_keeps_the_previous_step(where):
     hosts_dir = tempfile.mkdtemp(prefix="ckpt-hosts-", dir=shm.SHM_DIR)
     root = tempfile.mkdtemp(prefix="ckpt-tier-")
     try:
         full = torch.randn(8, 16)
-        run_ranks(2, full_replica_memory, hosts_dir, root, full)
+        run_ranks(2, full_replica_memory, hosts_dir, root, full, where)
         shutil.rmtree(os.path.join(hosts_dir, "a"))  # step 2 was never whole on host b: step 1 is
         run_ranks(1, survivor_of_b, hosts_dir, root, full)
     finally:
@@ -261,6 +270,8 @@ def test_one_process_persists_from_memory_and_recovers_either_way(tmp_path):
             w.fill_(step)
             mgr.save(step, {"w": w, "step": step}).wait()
         assert mgr.steps() == [2] and sorted(os.listdir(memory)) == ["step_3"]
+        with open(root / "telemetry.jsonl") as f:  # the persisted step is in the run's history
+            assert [json.loads(line)["step"] for line in f] == [2]
         (tmp_path / "blocked").write_text("a file where the next step's directory would go")
         blocked = cp.CheckpointManager(tmp_path / "blocked" / "run", memory_every=1, persist_every=2,
                                        memory_dir=memory)
