@@ -66,7 +66,7 @@ def _write_all(commit: Commit, fragments, plan, encoded, placed, obj_sizes, obj_
     for write, entry in zip(plan.writes[0], plan.stored[0]):
         by_file.setdefault(write.file, []).append((write.offset, write, entry))
     for name, items in sorted(by_file.items()):
-        with _SequentialFile(storage, name) as out:
+        with _SequentialFile(storage, commit.file(name)) as out:
             for offset, write, entry in sorted(items, key=lambda x: x[0]):
                 frag = fragments[write.index]
                 tensor = frag.load()
@@ -80,7 +80,7 @@ def _write_all(commit: Commit, fragments, plan, encoded, placed, obj_sizes, obj_
                     progress(len(data))
     object_meta: Dict[str, List[ObjectMeta]] = {}
     if encoded:
-        with _SequentialFile(storage, obj_file) as out:
+        with _SequentialFile(storage, commit.file(obj_file)) as out:
             for (key, encoding, data), (file, offset) in sorted(zip(encoded, placed), key=lambda x: x[1][1]):
                 out.write_at(offset, data)
                 object_meta[key] = [ObjectMeta(file=file, offset=offset, nbytes=len(data),

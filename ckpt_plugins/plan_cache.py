@@ -23,6 +23,15 @@ class CachedPlan:
 
 
 @dataclass
+class Agreed:
+    """What the ranks agreed on for one save: this rank's plan, whether it was the cached one, and
+    the file generation the coordinator chose (see `commit.generation_file`)."""
+    plan: CachedPlan
+    cached: bool
+    generation: int
+
+
+@dataclass
 class PlanRequest:
     """What one rank tells the coordinator when some rank's cached plan is stale."""
     specs: List[TensorSpec]
@@ -44,23 +53,25 @@ class PlanCache:
         self.cached: Optional[CachedPlan] = None
 
     def plan(self, coord: Coordinator, specs: List[TensorSpec], aliases: Dict[str, str],
-             failure: Optional[RankFailure], what: str,
-             meanwhile: Optional[Callable[[CachedPlan], None]] = None) -> Tuple[CachedPlan, bool]:
-        """(this rank's plan, whether it was cached). Every rank's `failure` reaches every rank
-        as one SaveError. `meanwhile(cached)` runs while the ranks agree, when this rank's own
-        cached plan holds (the caller may start copying with it)."""
+             failure: Optional[RankFailure], what: str, generation: int = 0,
+             meanwhile: Optional[Callable[[CachedPlan], None]] = None) -> Agreed:
+        """This rank's plan, agreed. Every rank's `failure` reaches every rank as one SaveError.
+        `generation`: the coordinator's choice of file names (others pass 0); it rides on the same
+        all-reduce. `meanwhile(cached)` runs while the ranks agree, when this rank's own cached
+        plan holds (the caller may start copying with it)."""
         runs = spec_runs(specs)
         key = hashlib.sha256(pickle.dumps((runs, sorted(aliases.items()), self.files_per_rank))).digest()
         stale = self.cached is None or self.cached.key != key
         run = None
         if meanwhile is not None and not stale and failure is None:
             run = lambda: meanwhile(self.cached)  # noqa: E731
-        any_stale, any_failed = coord.any_flags([int(stale), int(failure is not None)], meanwhile=run)
+        any_stale, any_failed, generation = coord.any_flags([int(stale), int(failure is not None), generation],
+                                                            meanwhile=run)
         then = "Nothing was saved"
         if any_failed:
             coord.agree(failure, what=what, then=then, default=SaveError)
         if not any_stale:
-            return self.cached, True
+            return Agreed(self.cached, True, generation)
         gathered: List[PlanRequest] = coord.gather(PlanRequest(specs, aliases, runs))
         replies = None
         if coord.is_coordinator:
@@ -76,4 +87,4 @@ class PlanCache:
             raise failure_error([reply.failure], f"planning {what}", then, SaveError)
         self.cached = CachedPlan(key, reply.writes, plan if coord.is_coordinator else None,
                                  reply.balance)
-        return self.cached, False
+        return Agreed(self.cached, False, generation)

@@ -9,6 +9,7 @@ and raises the same error. The Checkpointer decides when each step runs (sync, a
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .base_ref import leave_to_base
-from .commit import Commit
+from .commit import Commit, generation_file
 from .coordinator import Coordinator
 from .engine.write import StagedWrite, StageItem
 from .errors import CheckpointError, SaveError
@@ -71,6 +72,7 @@ class Save:
         self.job: Optional[StagedWrite] = None
         self.cached: Optional[CachedPlan] = None
         self._copied_early = False
+        self.generation = 0  # the coordinator's choice of file names, agreed with the plan
         self._copy_over = threading.Event()  # the snapshot has stopped using the slot
         self.recorder = Recorder("save", backend_of(storage), coord.rank, enabled=telemetry)
         self.recorder.record.info.update(mode=mode, path=str(storage), step=meta_extra.get("step"))
@@ -116,9 +118,10 @@ class Save:
             self._copy()
 
         try:
-            self.cached, info.plan_cached = self.cache.plan(coord, specs_of(self.fragments), self.aliases,
-                                                            self.failure, self.what,
-                                                            meanwhile=early if copy_early else None)
+            agreed = self.cache.plan(coord, specs_of(self.fragments), self.aliases, self.failure, self.what,
+                                     generation=self.commit.generation if self.commit is not None else 0,
+                                     meanwhile=early if copy_early else None)
+            self.cached, info.plan_cached, self.generation = agreed.plan, agreed.cached, agreed.generation
         except CheckpointError as exc:  # every failed save is a SaveError (a lost rank's PeerLost inside)
             self.release()
             if isinstance(exc, SaveError):
@@ -131,6 +134,7 @@ class Save:
         if not self._copied_early:
             self._release_slot()  # copied for a plan another rank's change made stale: copy again
             self.job = self._staged(self.cached)
+        self.job.stored_as = functools.partial(generation_file, generation=self.generation)
         info.rank_bytes, info.balance = sum(item.nbytes for item in self.job.items), self.cached.balance
         info.collectives = coord.collectives - self._collectives_before
         end = time.time()
@@ -186,7 +190,7 @@ class Save:
                     (key, ObjectMeta(file=f, offset=off, nbytes=len(data), crc32c=crc, encoding=enc, rank=rank))
                     for (key, enc, data, rank), (f, off), crc in zip(self.objects, self.placed, checksums[n:])],
                     job.sizes)
-                info.files = dict(job.sizes)
+                info.files = {job.stored_as(name): size for name, size in job.sizes.items()}
             except Exception as exc:
                 files = ", ".join(sorted(job.sizes)) or "nothing"
                 report = WriteReport(RankFailure(bg.rank, type(exc).__name__, f"{exc} (writing {files})"))

@@ -15,6 +15,7 @@ from torch import nn
 import ckpt_plugins as cp
 from ckpt_plugins import lock
 from ckpt_plugins.manager import CheckpointManager
+from ckpt_plugins.storage import LocalStorage
 from distributed import run_ranks
 
 BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
@@ -185,3 +186,49 @@ def test_overwriting_a_checkpoint_while_it_is_loaded_corrupts_neither(tmp_path):
     out = {"w": torch.zeros(1 << 20)}
     cp.load(path, out)
     assert torch.all(out["w"] == 29.0)
+
+
+class _FailingWrites(LocalStorage):
+    """A directory whose data files fail to write (a full disk, say)."""
+
+    def open_writer(self, name):
+        raise OSError(28, "No space left on device", name)
+
+
+def _overwriter(path, ready):
+    """Overwrite `path` with a save whose writes never finish (killed meanwhile)."""
+
+    class Stuck(LocalStorage):
+        def open_writer(self, name):
+            ready.set()
+            time.sleep(600)
+
+    cp.save(Stuck(path), {"w": torch.full((1 << 16,), 9.0)}, overwrite=True)
+
+
+def test_an_overwritten_checkpoint_stays_loadable_until_its_replacement_commits(tmp_path):
+    path = str(tmp_path / "ckpt")
+    cp.save(path, {"w": torch.full((1 << 16,), 1.0)})
+
+    def loads(value):
+        out = {"w": torch.zeros(1 << 16)}
+        cp.load(path, out)
+        return torch.all(out["w"] == value).item()
+
+    with pytest.raises(cp.SaveError, match="No space left"):  # fails mid-save: the old one stays whole
+        cp.save(_FailingWrites(path), {"w": torch.full((1 << 16,), 2.0)}, overwrite=True)
+    assert loads(1.0)
+    ready = mp.get_context("spawn").Event()
+    killed = mp.get_context("spawn").Process(target=_overwriter, args=(path, ready))
+    killed.start()
+    assert ready.wait(60)
+    killed.kill()  # mid-write
+    killed.join()
+    assert loads(1.0)
+    files = []
+    for value in (3.0, 4.0, 5.0):  # each replacement commits, then the files it replaced go
+        cp.save(path, {"w": torch.full((1 << 16,), value)}, overwrite=True)
+        assert loads(value)
+        files.append(sorted(os.listdir(os.path.join(path, "data"))))
+    assert files[0] == files[2] and not set(files[0]) & set(files[1]), files
+    assert sorted(cp.read_metadata(path).files) == [f"data/{f}" for f in files[2]]

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -53,6 +53,7 @@ class StagedWrite:
             total += align_up(self.sizes[name])
         self.nbytes = total
         self.buffer: Optional[torch.Tensor] = None
+        self.stored_as: Callable[[str], str] = str  # where a planned file is written (an overwrite's generation)
         self._ready = {name: 0 for name in self.sizes}  # staged prefix of each file
         self._failed: Optional[BaseException] = None
         self._cond = threading.Condition()
@@ -151,7 +152,7 @@ class StagedWrite:
         pending = sorted((i for i, it in enumerate(self.items) if it.file == name),
                          key=lambda i: self.items[i].offset)
         first, busy, summing = time.time(), 0.0, 0.0
-        writer = self.storage.open_writer(name)
+        writer = self.storage.open_writer(self.stored_as(name))
         try:
             pos = 0
             while pos < size:

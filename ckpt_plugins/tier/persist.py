@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Callable, Dict, Optional
 
-from ..commit import Commit
+from ..commit import Commit, generation_file
 from ..coordinator import Coordinator
 from ..errors import SaveError
 from ..failure import RankFailure
@@ -33,11 +33,12 @@ def persist(coord: Coordinator, host: HostDir, step: int, files: Dict[str, int],
                 commit = Commit.open(target, overwrite)
         except Exception as exc:
             failure = RankFailure.of(coord.rank, exc)
-        coord.agree(failure, what=what, then=then, default=SaveError)  # the lock is held: write
+        generation = max(coord.agree(failure, commit.generation if commit else 0, what=what, then=then,
+                                     default=SaveError))  # the lock is held: write, in the coordinator's generation
         try:
             buffer = aligned_empty(PIECE)  # page aligned: the writer can bypass the page cache
             for name in sorted(files):
-                writer = target.open_writer(name)
+                writer = target.open_writer(generation_file(name, generation))
                 try:
                     for _, offset, n in pieces({name: files[name]}):
                         host.read_piece(step, name, offset, buffer[:n])
