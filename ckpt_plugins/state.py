@@ -7,8 +7,10 @@ Framework extensions add their own `Handler` subclasses and pass them as state v
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from collections import OrderedDict
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
@@ -140,7 +142,12 @@ def _storage_id(tensor: torch.Tensor):
 
 class ModuleHandler(Handler):
     """An nn.Module's state_dict under canonical names (through the model's `TensorMap`); tied
-    tensors are stored once."""
+    tensors are stored once.
+
+    A load fills the live tensors in place, except under a module that adapts what it loads
+    itself (`loads_itself`: its own `load_state_dict` or `_load_from_state_dict`, or load hooks):
+    those get the stored tensors, shaped as stored, through their own `load_state_dict`, as with
+    torch."""
 
     def __init__(self, module: nn.Module):
         self.module = unwrap(module)
@@ -152,10 +159,10 @@ class ModuleHandler(Handler):
     def param_layouts(self) -> Dict[int, "ParamLayout"]:
         return {id(p): plain_layout(canonical_name(n), p, self.map) for n, p in self.module.named_parameters()}
 
-    def _split_tied(self, prefix: str):
+    def _split_tied(self, prefix: str, named: Dict[str, torch.Tensor]):
         first: Dict[Any, str] = {}
         own, aliases = {}, {}
-        for name, tensor in self.named_tensors().items():
+        for name, tensor in named.items():
             sid = _storage_id(tensor)
             key = f"{prefix}/{self.map.renamed(name)}"
             if sid in first and tensor.numel():
@@ -170,14 +177,85 @@ class ModuleHandler(Handler):
         return [f for name, tensor in own.items() for f in self.map.fragments(name, tensor, key_of)]
 
     def save_items(self, prefix: str) -> SaveItems:
-        own, aliases = self._split_tied(prefix)
+        own, aliases = self._split_tied(prefix, self.named_tensors())
         return SaveItems(fragments=self._fragments(prefix, own), aliases=aliases, objects=adapter_configs(self.module, prefix),
                          frozen=frozen_keys(self.module, self.map, prefix))
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
-        own, aliases = self._split_tied(prefix)
-        return LoadItems(fragments=add_master_sources(prefix, self._fragments(prefix, own)),
+        named, finish = self._load_targets(prefix, metadata)
+        own, aliases = self._split_tied(prefix, named)
+        return LoadItems(fragments=add_master_sources(prefix, self._fragments(prefix, own)), finish=finish,
                          accepted=set(aliases) | set(adapter_configs(self.module, prefix)))
+
+    def _load_targets(self, prefix: str, metadata: Metadata):
+        """(canonical name -> the tensor a load fills, steps after the data has landed): the live
+        tensors, or staging tensors for those under modules that load themselves."""
+        live = self.module.state_dict()
+        subtrees = _self_loading(self.module)
+        if not subtrees:
+            return {canonical_name(k): v for k, v in live.items()}, []
+        staged: Dict[str, torch.Tensor] = {}
+        for raw, tensor in live.items():
+            if any(raw.startswith(p) for p, _ in subtrees):
+                name = canonical_name(raw)
+                stored = [f"{prefix}/{n}" for n, _ in self.map.names(name, tensor.shape)]
+                if all(_stored_source(metadata, k) for k in stored):  # else missing: torch reports it
+                    staged[raw] = _staging(tensor, metadata.tensors.get(_stored_source(metadata, stored[0]) or ""))
+        named = {canonical_name(k): staged.get(k, v) for k, v in live.items()
+                 if k in staged or not any(k.startswith(p) for p, _ in subtrees)}
+
+        def through_torch(path: str, module: nn.Module) -> None:
+            wanted = module.state_dict()
+            given = OrderedDict((k[len(path):], v) for k, v in staged.items() if k.startswith(path))
+            given._metadata = getattr(wanted, "_metadata", None)
+            module.load_state_dict(given, strict=len(given) == len(wanted))
+
+        return named, [functools.partial(through_torch, p, m) for p, m in subtrees]
+
+def loads_itself(module: nn.Module) -> bool:
+    """Whether `module` adapts what it loads (its own `_load_from_state_dict`, or load hooks that
+    are not torch's own: FSDP2's, the checkpoint wrapper's are about layouts handled here)."""
+    def foreign(hook) -> bool:
+        fn = getattr(hook, "hook", hook)  # a pre-hook is wrapped
+        fn = getattr(fn, "func", fn)  # a functools.partial
+        return not (getattr(fn, "__module__", None) or "").startswith("torch.")
+
+    return (type(module)._load_from_state_dict is not nn.Module._load_from_state_dict
+            or any(map(foreign, module._load_state_dict_pre_hooks.values()))
+            or any(map(foreign, module._load_state_dict_post_hooks.values())))
+
+
+def _self_loading(root: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(state_dict key prefix, module) of the outermost modules of `root` that load themselves;
+    the root itself when it overrides `load_state_dict`."""
+    if type(root).load_state_dict is not nn.Module.load_state_dict:
+        return [("", root)]
+    found: List[Tuple[str, nn.Module]] = []
+    for name, module in root.named_modules():
+        path = f"{name}." if name else ""
+        if not any(path.startswith(p) for p, _ in found) and loads_itself(module):
+            found.append((path, module))
+    return found
+
+
+def _stored_source(metadata: Metadata, key: str) -> Optional[str]:
+    """The stored key that holds `key` (itself, its alias' target, or its fp32 master)."""
+    for k in (key, f"{OPTIM}/{key[len(MODEL) + 1:]}/{MASTER}" if key.startswith(MODEL + "/") else None):
+        k = metadata.aliases.get(k, k) if k else None
+        if k in metadata.tensors:
+            return k
+    return None
+
+
+def _staging(live: torch.Tensor, stored) -> torch.Tensor:
+    """A tensor to load into for a module that loads itself: like `live` (a DTensor keeps its
+    layout), shaped as stored where a plain tensor's shape differs (a buffer the module resizes)."""
+    if is_dtensor(live):
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(torch.empty_like(live._local_tensor), live.device_mesh, live.placements,
+                                  run_check=False, shape=live.shape, stride=live.stride())
+    shape = tuple(stored.shape) if stored is not None else tuple(live.shape)
+    return torch.empty(shape, dtype=live.dtype, device=live.device)
 
 
 def adapter_configs(module: nn.Module, prefix: str) -> Dict[str, str]:
@@ -215,6 +293,9 @@ class ParamLayout:
     names: Tuple[str, ...]
     shapes: Tuple[Tuple[int, ...], ...]
     fragments: Callable[[torch.Tensor, Callable[[str], str]], List[Fragment]]
+    # zeroes the parts of such a tensor that hold no parameter data (a partition's padding), which
+    # state a load creates must not leave uninitialized; None: every element holds some
+    pad: Optional[Callable[[torch.Tensor], None]] = None
 
 
 def _stored(tmap: TensorMap, names: Sequence[str], shapes: Sequence[Sequence[int]]):
@@ -226,7 +307,9 @@ def flat_layout(names: Sequence[str], shapes: Sequence[Sequence[int]], pieces: L
                 tmap: TensorMap = IDENTITY) -> ParamLayout:
     """A flat buffer packing pieces of the parameters `names` (a ZeRO partition, an FSDP1 flat
     parameter's shard or one parameter's 1-D piece of it), stored as `tmap` says."""
-    return ParamLayout(*_stored(tmap, names, shapes), lambda t, key_of: tmap.piece_fragments(pieces, t.reshape(-1), key_of))
+    covered = tuple(sorted((p.offset, p.offset + p.numel) for p in pieces))
+    return ParamLayout(*_stored(tmap, names, shapes), lambda t, key_of: tmap.piece_fragments(pieces, t.reshape(-1), key_of),
+                       pad=lambda t: _zero_gaps(t.reshape(-1), covered))
 
 
 def plain_layout(name: str, param: torch.Tensor, tmap: TensorMap = IDENTITY) -> ParamLayout:
@@ -296,41 +379,62 @@ class OptimizerHandler(Handler):
         return items
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
+        """The stored state replaces the live one, as torch's `load_state_dict` does: a parameter
+        gets exactly the state names the checkpoint holds for it (none: no state), in place where
+        the live tensors fit. A checkpoint without this optimizer (no param groups) leaves it
+        alone and reports what is missing."""
         items = LoadItems()
+        groups_key = f"{prefix}/param_groups"
+        items.objects[groups_key] = self._apply_groups
+        saved_optimizer = groups_key in metadata.objects
         stored: Dict[str, Set[str]] = {}  # param name -> its stored state names
         for key in list(metadata.tensors) + list(metadata.objects):
-            if key.startswith(prefix + "/") and key != f"{prefix}/param_groups":
+            if key.startswith(prefix + "/") and key != groups_key:
                 pname, _, sname = key[len(prefix) + 1:].rpartition("/")
                 if sname != MASTER:  # master weights are not this optimizer's state (see add_master_sources)
                     stored.setdefault(pname, set()).add(sname)
         for p in self._params():
             layout = self.layouts[id(p)]
             owner = self.states[id(p)]
-            if p not in owner:
+            live = owner[p] if p in owner else None  # a defaultdict's [] would add an entry
+            snames = set().union(*(stored.get(n, set()) for n in layout.names))
+            if not saved_optimizer:
+                snames |= set(live or ())  # reported missing (strict) or kept
+            elif live:
+                stale = set(live) - snames
+                if stale:  # dropped once the load has succeeded
+                    items.finish.append(lambda s=live, names=stale: [s.pop(n) for n in names])
+            if not snames:
+                if live is not None and saved_optimizer:
+                    items.finish.append(lambda p=p, owner=owner: owner.pop(p, None))
+                continue
+            if live is None:
+                live = owner[p] = {}
                 items.undo.append(lambda p=p, owner=owner: owner.pop(p, None))
-            state = owner[p]
-            snames = set(state).union(*(stored.get(n, set()) for n in layout.names))
-            for sname in sorted(snames):  # same order on every rank
-                key_of = lambda n, s=sname: f"{prefix}/{n}/{s}"  # noqa: E731
-                keys = [key_of(n) for n in layout.names]
-                tensors = [k for k in keys if k in metadata.tensors]
-                if not (tensors or (not any(k in metadata.objects for k in keys)
-                                    and isinstance(state.get(sname), torch.Tensor))):
-                    first = next((k for k in keys if k in metadata.objects), keys[0])
-                    items.objects[first] = lambda v, s=state, n=sname: s.__setitem__(n, v)
-                    items.accepted |= set(keys) - {first}  # one value serves the whole parameter
-                    continue
-                if sname not in state:
-                    state[sname] = _allocate(p, layout, metadata.tensors[tensors[0]])
-                    items.undo.append(lambda s=state, n=sname: s.pop(n, None))
-                if _param_shaped(state[sname], p):
-                    items.fragments += layout.fragments(state[sname], key_of)
-                else:
-                    first = tensors[0] if tensors else keys[0]
-                    items.fragments += tensor_fragments(first, state[sname])
-                    items.accepted |= set(keys) - {first}
-        items.objects[f"{prefix}/param_groups"] = self._apply_groups
+            self._load_param(p, layout, live, sorted(snames), prefix, metadata, items)  # same order on every rank
         return items
+
+    def _load_param(self, p, layout: "ParamLayout", state: dict, snames: List[str], prefix: str, metadata: Metadata,
+                    items: LoadItems) -> None:
+        for sname in snames:
+            key_of = lambda n, s=sname: f"{prefix}/{n}/{s}"  # noqa: E731
+            keys = [key_of(n) for n in layout.names]
+            tensors = [k for k in keys if k in metadata.tensors]
+            if not (tensors or (not any(k in metadata.objects for k in keys)
+                                and isinstance(state.get(sname), torch.Tensor))):
+                first = next((k for k in keys if k in metadata.objects), keys[0])
+                items.objects[first] = lambda v, s=state, n=sname: s.__setitem__(n, v)
+                items.accepted |= set(keys) - {first}  # one value serves the whole parameter
+                continue
+            if sname not in state:
+                state[sname] = _allocate(p, layout, metadata.tensors[tensors[0]])
+                items.undo.append(lambda s=state, n=sname: s.pop(n, None))
+            if _param_shaped(state[sname], p):
+                items.fragments += layout.fragments(state[sname], key_of)
+            else:
+                first = tensors[0] if tensors else keys[0]
+                items.fragments += tensor_fragments(first, state[sname])
+                items.accepted |= set(keys) - {first}
 
     def _apply_groups(self, saved_groups: List[dict]) -> None:
         by_param = {name: g for g in saved_groups for name in g["params"]}
@@ -365,12 +469,24 @@ def _allocate(param: torch.Tensor, layout: ParamLayout, meta) -> torch.Tensor:
     local = param._local_tensor if is_dtensor(param) else param
     if tuple(meta.shape) in layout.shapes and param.dim() > 0:
         out = fresh_empty(local.shape, dtype, local.device)
+        if layout.pad is not None:
+            layout.pad(out)
         if is_dtensor(param):
             from torch.distributed.tensor import DTensor
             out = DTensor.from_local(out, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                                      stride=param.stride())
         return out
     return torch.empty(meta.shape, dtype=dtype, device=local.device)
+
+
+def _zero_gaps(flat: torch.Tensor, covers: Tuple[Tuple[int, int], ...]) -> None:
+    """Zero the elements of `flat` outside the ranges `covers`: a partition's padding, which the
+    framework keeps at zero."""
+    at = 0
+    for start, end in covers + ((flat.numel(), flat.numel()),):
+        if start > at:
+            flat[at:start].zero_()
+        at = max(at, end)
 
 
 # ------------------------------------------------------------------ generic containers

@@ -131,7 +131,9 @@ class GPTLayout:
         (start None) or its flattened elements [start, start + numel)."""
         segs, shape = self.by_id[id(param)][1], tuple(param.shape)
         names, shapes = self.names(param)
-        return ParamLayout(names, shapes, lambda t, key_of: segment_fragments(segs, shape, t, key_of, start))
+        pad = (lambda t: zero_padding(segs, shape, t.reshape(-1) if start is not None else t, start)) \
+            if any(s.name is None for s in segs) else None
+        return ParamLayout(names, shapes, lambda t, key_of: segment_fragments(segs, shape, t, key_of, start), pad=pad)
 
 
 def _global_name(gpt, local: str, paired: bool = False) -> str:

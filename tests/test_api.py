@@ -189,3 +189,96 @@ def test_fp32_model_loads_the_masters_of_a_mixed_precision_checkpoint(tmp_path):
     half = make(1, tied=False)[0].to(torch.float16)
     with pytest.raises(cp.LoadMismatchError, match="wants float16, but the checkpoint holds no float16 copy"):
         cp.load(tmp_path / "c", {"model": half})
+
+
+def test_an_optimizer_load_replaces_the_live_state_as_torch_does(tmp_path):
+    model, opt, sched = make(0)
+    cp.save(tmp_path / "before", {"model": model, "optim": opt})  # before the first step: no state
+    for step in range(2):
+        train_step(model, opt, sched, step)
+    cp.save(tmp_path / "trained", {"model": model, "optim": opt})
+    trained = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+               for k, s in opt.state_dict()["state"].items()}
+
+    fresh_model, fresh, _ = make(1)
+    cp.load(tmp_path / "before", {"model": fresh_model, "optim": fresh})
+    assert fresh.state_dict()["state"] == {} and len(fresh.state) == 0  # torch leaves {}, not {0: {}, ...}
+    # a strict load of the pre-step checkpoint into the trained optimizer replaces its moments with none
+    cp.load(tmp_path / "before", {"model": model, "optim": opt})
+    assert opt.state_dict()["state"] == {}
+    cp.load(tmp_path / "trained", {"model": fresh_model, "optim": fresh})
+    loaded = fresh.state_dict()["state"]
+    assert loaded.keys() == trained.keys()
+    for k in trained:
+        assert loaded[k].keys() == trained[k].keys()
+        assert all(torch.equal(loaded[k][n], trained[k][n]) for n in trained[k])
+
+    # a checkpoint that holds no optimizer leaves it alone (strict: named as missing)
+    cp.save(tmp_path / "weights", {"model": model})
+    with pytest.raises(cp.LoadMismatchError, match="keys missing from the checkpoint: optim/embed_tokens.weight/exp_avg"):
+        cp.load(tmp_path / "weights", {"model": fresh_model, "optim": fresh})
+    cp.load(tmp_path / "weights", {"model": fresh_model, "optim": fresh}, strict=False)
+    assert all(torch.equal(fresh.state_dict()["state"][k][n], trained[k][n]) for k in trained for n in trained[k])
+
+
+class Growing(nn.Module):
+    """Holds a buffer whose length only a load knows: it resizes the buffer in its own
+    `_load_from_state_dict`, as quantized and cache modules do."""
+
+    def __init__(self, n=0):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("table", torch.zeros(n))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self.table = torch.empty_like(state_dict[prefix + "table"])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class Hooked(nn.Module):
+    """A load pre-hook that converts what is loaded (a checkpoint in another unit, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self._register_load_state_dict_pre_hook(self._halve)
+
+    @staticmethod
+    def _halve(state_dict, prefix, *args):
+        state_dict[prefix + "scale"] = state_dict[prefix + "scale"] / 2
+
+
+class Model(nn.Module):
+    def __init__(self, n=0):
+        super().__init__()
+        self.plain = nn.Linear(3, 3)
+        self.growing = Growing(n)
+        self.hooked = Hooked()
+
+
+class Overriding(Model):
+    """A model whose own load_state_dict does something (counts here)."""
+    loaded = 0
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        self.loaded += 1
+        return super().load_state_dict(state_dict, strict, assign)
+
+
+def test_modules_that_load_themselves_get_their_hooks_as_with_torch(tmp_path):
+    torch.manual_seed(0)
+    saved = Model(12)
+    saved.growing.table.copy_(torch.arange(12.0))
+    cp.save(tmp_path / "c", {"model": saved})
+    for kind in (Model, Overriding):
+        torch.manual_seed(1)
+        ours, reference = kind(), kind()
+        reference.load_state_dict(saved.state_dict())
+        plain_before = ours.plain.weight
+        cp.load(tmp_path / "c", {"model": ours})
+        for k, v in reference.state_dict().items():
+            assert torch.equal(ours.state_dict()[k], v), k
+        assert ours.growing.table.shape == (12,) and torch.equal(ours.hooked.scale, saved.hooked.scale / 2)
+        assert ours.plain.weight is plain_before  # parameters are loaded in place
+        if kind is Overriding:
+            assert ours.loaded == 1
