@@ -22,7 +22,7 @@ from ckpt_plugins.results import take_finished
 from ckpt_plugins.state import Handler, LoadItems, SaveItems
 from ckpt_plugins.storage import storage_for
 
-from .zero import DeepSpeedModel, DeepSpeedOptimizer
+from .zero import DeepSpeedModel, DeepSpeedOptimizer, ZeroState
 
 log = logging.getLogger("deepspeed_ext")
 LATEST = "latest"
@@ -114,9 +114,14 @@ class Hooks:
             if save_latest:
                 storage_for(save_dir).put_atomic(LATEST, tag.encode())
 
+        # as DeepSpeed's own save: ZeRO-3 releases gathered parameters before, gathers persistent ones after
+        if engine._optimizer_has_ckpt_event_prologue():
+            engine.optimizer.checkpoint_event_prologue()
         result = self.checkpointer.save(path, self.state(client_state), async_=self.async_save, framework="deepspeed",
                                         layout=layout(engine), step=int(engine.global_steps), overwrite=True,
                                         on_commit=write_latest)
+        if engine._optimizer_has_ckpt_event_epilogue():
+            engine.optimizer.checkpoint_event_epilogue()
         self.unlogged.append(result)
         self.log_saves()
         return True
@@ -150,6 +155,8 @@ class Hooks:
         if full:
             state.update(self.extra)
         ignored = {k: cp.Ignore() for k in ("optim", "sched", "engine") if k not in state}
+        if engine._optimizer_has_ckpt_event_prologue():  # as DeepSpeed's own load: ZeRO-3 partitions first
+            engine.optimizer.checkpoint_event_prologue()
         result = self.checkpointer.load(path, {**state, **ignored}, strict=load_module_strict)
         if result.missing_keys and not load_module_strict:
             log.warning("%s: %d key(s) not in the checkpoint were left as they were: %s", path,
@@ -171,7 +178,9 @@ def add_state(engine, **entries) -> None:
 
 
 def enable(engine, options: Optional[Dict[str, Any]] = None):
-    """Route `engine.save_checkpoint`/`load_checkpoint` through ckpt_plugins. Returns the engine."""
+    """Route `engine.save_checkpoint`/`load_checkpoint` through ckpt_plugins. Returns the engine.
+    An optimizer set-up it cannot map is refused here, not at the first save."""
+    ZeroState(engine)
     hooks = Hooks(engine, options or {})
     engine.save_checkpoint = hooks.save_checkpoint
     engine.load_checkpoint = hooks.load_checkpoint

@@ -86,13 +86,24 @@ class ZeroState:
                 for lp, hp in zip(lp_group, hp_group):  # one whole fp32 copy per parameter
                     self.layouts[id(hp)] = plain_layout(self.names[id(lp)], hp, self.map)
                     self.masters.append(hp)
+        elif hasattr(wrapper, "fp32_groups_flat") and hasattr(wrapper, "fp16_groups"):
+            # FP16_Optimizer (stage 0, bf16/fp16, a fused Adam): one flat fp32 copy per group, its
+            # parameters one after the other
+            for params, flat in zip(wrapper.fp16_groups, wrapper.fp32_groups_flat):
+                starts = [0]
+                for p in params:
+                    starts.append(starts[-1] + p.numel())
+                pieces = [FlatPiece(self.names[id(p)], tuple(p.shape), at, p.numel(), 0) for p, at in zip(params, starts)]
+                self.layouts[id(flat)] = self._group_layout(params, pieces)
+                self.masters.append(flat)
         elif isinstance(wrapper, torch.optim.Optimizer) and self.base is None:
             # stage 0, fp32: DeepSpeed steps the client optimizer on the parameters themselves
             self.base = wrapper
             self.layouts = {id(p): plain_layout(name, p, self.map) for name, p in self.params}
         else:
-            raise NotImplementedError(f"deepspeed_ext cannot map DeepSpeed's {type(wrapper).__name__} (the fused "
-                                      "FP16_Optimizer needs FusedAdam); use ZeRO stage 1-3 or a torch optimizer")
+            raise NotImplementedError(f"deepspeed_ext cannot map DeepSpeed's {type(wrapper).__name__}: it knows "
+                                      "ZeRO stages 1-3, BF16_Optimizer, FP16_Optimizer, FP16_UnfusedOptimizer and a "
+                                      "torch optimizer at stage 0")
 
     def optimizer_handler(self) -> OptimizerHandler:
         # MoE groups (AutoEP's experts) carry the expert-data-parallel group's name: EP-size layout

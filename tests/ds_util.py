@@ -18,6 +18,44 @@ def cpu_friendly_deepspeed() -> None:
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda *a, **k: None
 
 
+def _stand_in_fused_adam():
+    from deepspeed.ops.adam import FusedAdam
+
+    class StandInFusedAdam(FusedAdam):
+        """DeepSpeed's FusedAdam as DeepSpeed sees it (stage 0 then runs its FP16_Optimizer), with
+        torch's Adam arithmetic instead of the kernel it would compile (minutes, on this CPU)."""
+
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+            torch.optim.Optimizer.__init__(self, params, dict(lr=lr, bias_correction=True, betas=betas, eps=eps,
+                                                              weight_decay=weight_decay))
+            self.adam_w_mode, self.set_grad_none = 1, True
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                (b1, b2), lr = group["betas"], group["lr"]
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                    state["step"] += 1
+                    state["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                    state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                    denom = (state["exp_avg_sq"].sqrt() / (1 - b2 ** state["step"]) ** 0.5).add_(group["eps"])
+                    p.mul_(1 - lr * group["weight_decay"]).addcdiv_(state["exp_avg"], denom,
+                                                                   value=-lr / (1 - b1 ** state["step"]))
+
+    return StandInFusedAdam
+
+
+def __getattr__(name):
+    if name == "StandInFusedAdam":  # built on first use: importing DeepSpeed's ops costs seconds
+        return _stand_in_fused_adam()
+    raise AttributeError(name)
+
+
 def autoep_compatible_transformers() -> None:
     """DeepSpeed 0.19.8's AutoEP presets key transformers' output-capture registry by a string
     (`auto_ep_presets/base.py` calls `registry.get(key, default)` and `registry[key] = ...`), while

@@ -4,6 +4,7 @@ Adam moments and step equal bit for bit (frozen parameters included), and traini
 import os
 
 import pytest
+import torch.distributed as dist
 import torch
 
 import ckpt_plugins as cp
@@ -255,3 +256,109 @@ def test_import_native_deepspeed_checkpoints(tmp_path):
     for name, p in model.named_parameters():
         expected = ref.get(f"m/{name}", ref[f"w/{name}"].float())
         assert torch.equal(p.detach(), expected), name
+
+
+SPECIALS = torch.tensor([1, 0x7FC00001, -(1 << 31), 0x7F800001, 0x00000007], dtype=torch.int32)  # denormal, NaN
+# payloads (quiet, signalling), -0.0, another denormal: values torch.equal cannot tell apart or calls unequal
+
+
+def _flat_states(eng) -> list:
+    """Every optimizer state tensor and master partition of this rank, flat, padding included."""
+    base = eng.optimizer.optimizer
+    masters = (getattr(eng.optimizer, "single_partition_of_fp32_groups", None)
+               or getattr(eng.optimizer, "fp32_partitioned_groups_flat", None)
+               or getattr(eng.optimizer, "fp32_groups_flat", None) or [])
+    return [t for s in base.state.values() for _, t in sorted(s.items()) if torch.is_tensor(t) and t.dim() > 0] + list(masters)
+
+
+def special_values(rank, world, root):
+    """Denormals, NaN payloads and negative zeros in the Adam moments and fp32 masters come back
+    bit for bit on every ZeRO stage, elastic or not; so does a partition's zero padding."""
+    import torch.nn.functional as F
+
+    import deepspeed_ext
+    ds_util.cpu_friendly_deepspeed()
+
+    def engine(stage, elastic, fused=False):
+        torch.manual_seed(1)
+        model = torch.nn.Linear(10, 10)  # 110 elements: each rank's partition ends in padding
+        config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                  "zero_optimization": {"stage": stage, "elastic_checkpoint": elastic},
+                  "zero_allow_untested_optimizer": True, "checkpoint": {"backend": "bytecheckpoint"}}
+        opt = (ds_util.StandInFusedAdam if fused else torch.optim.Adam)(model.parameters(), lr=1e-3)
+        return deepspeed_ext.initialize(model=model, optimizer=opt, config=config)[0]
+
+    # (stage, elastic, a fused Adam: stage 0 then runs DeepSpeed's FP16_Optimizer)
+    for stage, elastic, fused in ((1, True, False), (2, True, False), (2, False, False), (3, False, False),
+                                  (0, False, True)):
+        eng = engine(stage, elastic, fused)
+        assert type(eng.optimizer).__name__ != "FP16_Optimizer" or fused
+        for i in range(3):
+            x = torch.randn(2, 10, generator=torch.Generator().manual_seed(10 * i + rank)).to(torch.bfloat16)
+            eng.backward(F.cross_entropy(eng(x).float(), torch.tensor([i, i + 1])))
+            eng.step()
+        for t in _flat_states(eng):
+            t.view(torch.int32)[:len(SPECIALS)] = SPECIALS
+        saved = [t.clone() for t in _flat_states(eng)]
+        path = os.path.join(root, f"z{stage}{elastic}")
+        eng.save_checkpoint(path)
+        fresh = engine(stage, elastic, fused)
+        fresh.load_checkpoint(path)
+        loaded = _flat_states(fresh)
+        assert len(loaded) == len(saved)
+        for a, b in zip(saved, loaded):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (stage, elastic, rank, a, b)
+
+
+def test_every_bit_of_optimizer_state_survives_a_deepspeed_round_trip(tmp_path):
+    run_env_ranks(2, special_values, str(tmp_path))
+
+
+def contract(rank, world, root, result_path):
+    """What a DeepSpeed user sees around `save_checkpoint`/`load_checkpoint`, natively and with
+    the plugin, per ZeRO stage (bf16): return values, the `latest` file, client_state, counters,
+    what a resumed step computes, ZeRO-3's parameters after a save, and the flags."""
+    import deepspeed
+    ds_util.cpu_friendly_deepspeed()
+    deepspeed.init_distributed()  # before the first engine: its batch size depends on the world size
+    seen = {}
+    for stage in (0, 1, 2, 3):
+        for backend in (False, True):
+            record = seen.setdefault((stage, backend), {})
+            root_b = os.path.join(root, f"{'ours' if backend else 'native'}{stage}")
+            eng = ds_util.engine(stage, True, backend=backend)
+            for i in range(2):
+                ds_util.step(eng, i)
+            record["saved"] = eng.save_checkpoint(root_b, client_state={"epoch": 3})
+            record["saved_tag"] = eng.save_checkpoint(root_b, tag="mine", client_state={"epoch": 4}, save_latest=False)
+            if stage == 3:  # the parameters as DeepSpeed leaves them after its save (persistent ones gathered)
+                record["status"] = [p.ds_status.name for p in eng.module.parameters()]
+            record["latest"] = open(os.path.join(root_b, "latest")).read()
+            record["next_loss"] = ds_util.step(eng, 2)
+            fresh = ds_util.engine(stage, True, seed=1, backend=backend)
+            path, client = fresh.load_checkpoint(root_b)
+            record["loaded"] = (_tag_of(path, root_b), client["epoch"], fresh.global_steps, fresh.global_samples,
+                                fresh.skipped_steps, fresh.get_lr())
+            record["resumed_loss"] = ds_util.step(fresh, 2)
+            path, client = fresh.load_checkpoint(root_b, tag="mine", load_module_only=True)
+            record["module_only"] = (_tag_of(path, root_b), client["epoch"], fresh.global_steps)
+            missing = ds_util.engine(stage, True, seed=1, backend=backend)
+            record["no_latest"] = missing.load_checkpoint(os.path.join(root, "nothing-here"))
+            dist.barrier()
+    if rank == 0:
+        torch.save(seen, result_path)
+
+
+def _tag_of(path: str, root: str) -> str:
+    """The checkpoint a load returned: DeepSpeed returns the model-states file inside the tag's
+    folder, the plugin the folder (a documented difference; both are None when nothing loads)."""
+    return os.path.relpath(path, root).split(os.sep)[0]
+
+
+def test_deepspeed_users_see_the_same_engine_with_the_plugin(tmp_path):
+    run_env_ranks(2, contract, str(tmp_path), tmp_path / "seen.pt")
+    seen = torch.load(tmp_path / "seen.pt")
+    for stage in (0, 1, 2, 3):
+        native, ours = seen[(stage, False)], seen[(stage, True)]
+        assert ours == native, (stage, {k: (native[k], ours[k]) for k in native if native[k] != ours[k]})
+        assert ours["resumed_loss"] == ours["next_loss"]  # the resumed step computes the uninterrupted one's
