@@ -54,13 +54,17 @@ def _holder(layers, key: str):
 
 
 def export_hf(path, out_dir: str, *, max_shard_bytes: int = 5 << 30, dtype: Optional[torch.dtype] = None,
-              merge_adapter: Optional[str] = None, progress: Optional[Callable[[int], None]] = None) -> List[str]:
+              merge_adapter: Optional[str] = None, progress: Optional[Callable[[int], None]] = None,
+              rank: int = 0, world: int = 1, config: bool = True) -> List[str]:
     """Write the checkpoint's model weights (`model/...`, a PEFT run's base from the base checkpoint
-    it refers to) as HF safetensors into `out_dir`; adapters are left out, or merged into the
-    weights they adapt with `merge_adapter` (an adapter's name).
+    it refers to) as HF safetensors into `out_dir`, with its HF `config.json` when it has one (and
+    `config`);
+    adapters are left out, or merged into the weights they adapt with `merge_adapter` (an adapter's
+    name).
 
     `dtype`: convert on the way (fp32 masters are used where the checkpoint has them and the
-    stored weights are of another dtype). Returns the files written.
+    stored weights are of another dtype). `rank` of `world` processes writes every world-th
+    shard (rank 0 the index and config as well). Returns the files this rank wrote.
     """
     layers = _layers(path)
     names = sorted({k[len(MODEL) + 1:] for _, md in layers for k in md.tensors
@@ -83,35 +87,42 @@ def export_hf(path, out_dir: str, *, max_shard_bytes: int = 5 << 30, dtype: Opti
         return merge[name](tensor) if name in merge else tensor
 
     files = write_safetensors(out_dir, [(n, sources[n][3], sources[n][4]) for n in names], load, max_shard_bytes,
-                              progress)
+                              progress, rank=rank, world=world)
     storage, metadata = layers[0]
-    if HF_CONFIG in metadata.objects:
-        _write_json(os.path.join(out_dir, "config.json"), json.loads(read_object(storage, metadata, HF_CONFIG, None)))
+    text = read_object(storage, metadata, HF_CONFIG, None) if config and HF_CONFIG in metadata.objects else None
+    if text is not None and rank == 0:  # a plain torch module's checkpoint has none
+        _write_json(os.path.join(out_dir, "config.json"), json.loads(text))
         files.append("config.json")
     return files
 
 
 def write_safetensors(out_dir: str, entries: List[Tuple[str, torch.dtype, Tuple[int, ...]]],
                       load: Callable[[str, torch.Tensor], torch.Tensor], max_shard_bytes: int = 5 << 30,
-                      progress: Optional[Callable[[int], None]] = None, single: str = SAFE_NAME) -> List[str]:
+                      progress: Optional[Callable[[int], None]] = None, single: str = SAFE_NAME,
+                      rank: int = 0, world: int = 1) -> List[str]:
     """Tensors (name, dtype, shape; `load(name, buffer)` gives each) as safetensors files in
-    `out_dir`, sharded above `max_shard_bytes` with an index, each file renamed into place whole."""
+    `out_dir`, sharded above `max_shard_bytes` with an index, each file renamed into place whole.
+    `rank` of `world` writers writes every world-th shard, rank 0 the index too. Returns the files
+    this rank wrote."""
     shapes = {n: (d, s) for n, d, s in entries}
     shards = _shard([(n, math.prod(s) * d.itemsize) for n, d, s in entries], max_shard_bytes)
     os.makedirs(out_dir, exist_ok=True)
     out_storage = storage_for(out_dir)
-    largest = max(math.prod(s) * d.itemsize for _, d, s in entries)
+    mine = [i for i in range(len(shards)) if i % world == rank]
+    largest = max([math.prod(shapes[n][1]) * shapes[n][0].itemsize for i in mine for n in shards[i]], default=0)
     buffers = [torch.ones(largest, dtype=torch.uint8) for _ in range(2)]  # touched once, reused
     files, weight_map = [], {}
     for index, shard in enumerate(shards):
         fname = single if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        weight_map.update((name, fname) for name in shard)
+        if index not in mine:
+            continue
         header, offset = {}, 0
         for name in shard:
             d, shape = shapes[name]
             nbytes = math.prod(shape) * d.itemsize
             header[name] = {"dtype": _ST_DTYPES[d], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
-            weight_map[name] = fname
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -128,7 +139,7 @@ def write_safetensors(out_dir: str, entries: List[Tuple[str, torch.dtype, Tuple[
             out.close()
         os.replace(os.path.join(out_dir, fname + ".tmp"), os.path.join(out_dir, fname))
         files.append(fname)
-    if len(shards) > 1:
+    if len(shards) > 1 and rank == 0:
         total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
         _write_json(os.path.join(out_dir, SAFE_INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
         files.append(SAFE_INDEX)
@@ -191,6 +202,26 @@ def export_peft(path, out_dir: str, adapter: str = "default") -> List[str]:
                               single="adapter_model.safetensors")
     _write_json(os.path.join(out_dir, "adapter_config.json"), config)
     return files + ["adapter_config.json"]
+
+
+def write_model_files(path, out_dir: str, *, rank: int = 0, world: int = 1, config: bool = True,
+                      max_shard_bytes: int = 50 * 10**9) -> List[str]:
+    """The files `save_pretrained` would write for the checkpoint's model, from the checkpoint: a
+    PEFT model's adapters (`adapter_model.safetensors` and `adapter_config.json`, adapters other
+    than "default" in a folder of their name), else its weights as HF safetensors (sharded as
+    `save_pretrained` shards, 50 GB by default; `config`: with config.json). `rank` of `world`
+    writers writes its share. Returns the files this rank wrote."""
+    storage, metadata = open_checkpoint(path)
+    prefix, suffix = f"{MODEL}/{ADAPTER}/", "/config"
+    adapters = sorted(k[len(prefix):-len(suffix)] for k in metadata.objects if k.startswith(prefix) and k.endswith(suffix))
+    if not adapters:
+        return export_hf(path, out_dir, max_shard_bytes=max_shard_bytes, rank=rank, world=world, config=config)
+    files = []
+    for i, adapter in enumerate(adapters):
+        if i % world == rank:
+            where = out_dir if adapter == "default" else os.path.join(out_dir, adapter)
+            files += export_peft(path, where, adapter)
+    return files
 
 
 def _prefetched(load, names: List[str], buffers: List[torch.Tensor]):

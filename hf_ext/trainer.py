@@ -8,20 +8,25 @@
 What it changes, on this one Trainer instance (documented because these are Trainer internals):
 - `save_model` during a checkpoint save (`_internal_call`): every rank saves the model,
   optimizer, LR scheduler, grad scaler and its RNG states in one collective ckpt_plugins save into
-  `checkpoint-N/` (metadata.json + data/); the main process writes config.json, the tokenizer and
-  training_args.bin. No model.safetensors / optimizer.pt / scheduler.pt / rng_state*.pth are
-  written. A final `trainer.save_model()` from user code stays native.
+  `checkpoint-N/` (metadata.json + data/), replacing one a rerun left there as the Trainer does; the
+  main process writes config.json, the tokenizer and training_args.bin. Once the save has
+  committed, the ranks write the model's HF files from it (`model.safetensors`, sharded as
+  `save_pretrained` shards; a PEFT model's adapter files), so `checkpoint-N/` stays a directory
+  `from_pretrained` reads (`hf_weights=False` turns that off). No optimizer.pt / scheduler.pt /
+  rng_state*.pth are written: their contents are in the ckpt_plugins checkpoint. A final
+  `trainer.save_model()` from user code stays native.
 - `_save_optimizer_and_scheduler`, `_save_rng_state`, `_save_scaler`: nothing left to do.
 - `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_scaler`, `_load_rng_state`,
   `_load_best_model`: read a ckpt_plugins checkpoint-N (resharding to the current layout and
   process count); anything else goes to the native code. The model is loaded together with the
   optimizer, after the Trainer has built it, so its bytes are read once.
 - `_get_train_sampler`: the default RandomSampler is replaced by `trainer_data.EpochSampler`;
-  `_init_training_state`: a checkpoint with a data position names the epoch to resume and no
-  batches are skipped (the sampler starts at the position). After the first optimizer step a
-  callback warms the first checkpoint save up (`Checkpointer.warm_up`).
+  `_init_training_state`: a checkpoint with a data position says how many batches the Trainer
+  skips (see below). After the first optimizer step a callback warms the first checkpoint save
+  up (`Checkpointer.warm_up`).
 - Everything else stays native: trainer_state.json (global step, logs, best model, stateful
-  callbacks), the batches skipped on resume, `save_total_limit` rotation, `on_save`.
+  callbacks), `save_total_limit` rotation, `on_save`. Each save's figures go to the loggers
+  (TensorBoard, W&B, ... through `on_log`), not into `log_history`.
 - A PEFT model whose base is frozen: each checkpoint holds the adapters, their optimizer state
   and the rest of the training state, and refers to a base checkpoint for the frozen weights:
   `peft_base=` (the checkpoint the base was loaded from), else `<output_dir>/base`, written once
@@ -32,11 +37,15 @@ What it changes, on this one Trainer instance (documented because these are Trai
 
 The training data (with the Trainer's default random sampling): the sampler is replaced by one
 whose order is fixed by the seed and the epoch, and each checkpoint stores the data position
-globally (`trainer_data`). A resume, on any number of processes and with any global batch
-(per_device_train_batch_size x processes x gradient_accumulation_steps), starts at that position
-instead of skipping `global_step` batches: every sample of the epoch is consumed once, and with the
-global batch kept each step sees the uninterrupted run's samples. `global_step` keeps counting
-steps. RNG states are per process; a process the checkpoint has none for keeps its own.
+globally (`trainer_data`). A resume with the same global batch
+(per_device_train_batch_size x processes x gradient_accumulation_steps), on any number of
+processes, sees the batches, steps, epochs and learning rates of the uninterrupted run. With
+another global batch every remaining sample of the epoch is still consumed once: the Trainer
+skips the consumed samples (rounded up to whole steps with placeholders that are never loaded).
+When the dataset or sampling changed since the checkpoint, a warning names the change and the
+Trainer fast-forwards as it does without ckpt_plugins (`on_data_change="error"` refuses instead);
+`ignore_data_skip=True` starts the epoch from the beginning, as the Trainer does. RNG states are
+per process; a process the checkpoint has none for keeps its own.
 """
 from __future__ import annotations
 
@@ -48,10 +57,12 @@ import torch
 
 import ckpt_plugins as cp
 from ckpt_plugins.committed import read_object
+from ckpt_plugins.data.stream import Order
+from ckpt_plugins.failure import RankFailure
 from ckpt_plugins.storage import storage_for
 from ckpt_plugins.tensor_map import is_peft_model
 
-from .safetensors_io import HF_CONFIG
+from .safetensors_io import HF_CONFIG, write_model_files
 from .trainer_data import EpochSampler, TrainerData
 
 log = logging.getLogger("hf_ext.trainer")
@@ -61,13 +72,19 @@ def is_ckpt_plugins_checkpoint(path: Optional[str]) -> bool:
     return path is not None and cp.is_checkpoint(path)
 
 
+DATA_CHANGES = ("warn", "error")
+
+
 class _Integration:
     def __init__(self, trainer, async_save: bool, checkpointer: Optional[cp.Checkpointer],
-                 peft_base: Optional[str], adapters_only: bool):
+                 peft_base: Optional[str], adapters_only: bool, hf_weights: bool, on_data_change: str):
+        if on_data_change not in DATA_CHANGES:
+            raise ValueError(f"on_data_change must be one of {DATA_CHANGES}, not {on_data_change!r}")
         self.trainer = trainer
         self.async_save = async_save
         self.checkpointer = checkpointer
         self.peft_base, self.adapters_only = peft_base, adapters_only
+        self.hf_weights, self.on_data_change = hf_weights, on_data_change
         self.native = {}
         self.in_checkpoint = False
         self.pending: Optional[cp.SaveHandle] = None
@@ -120,7 +137,8 @@ class _Integration:
         output_dir = output_dir or t.args.output_dir
         result = self.ckpt().save(output_dir, self.saved_state(), async_=self.async_save, framework="hf-trainer",
                                   layout={"world_size": t.args.world_size}, step=t.state.global_step,
-                                  base=self.base())
+                                  base=self.base(), overwrite=True,
+                                  then=_model_files(output_dir) if self.hf_weights else None)
         if self.async_save:
             self.pending = result
         else:
@@ -131,7 +149,9 @@ class _Integration:
     def saved_state(self) -> Dict[str, Any]:
         """What a checkpoint save passes to ckpt_plugins."""
         state = self.state(with_training_state=not self.trainer.args.save_only_model)
-        state[HF_CONFIG] = _config_json(self.trainer)
+        config = _config_json(self.trainer)
+        if config is not None:  # a plain torch module has none
+            state[HF_CONFIG] = config
         return state
 
     def warm_up(self) -> None:
@@ -176,9 +196,11 @@ class _Integration:
                                    best_model_checkpoint=self.trainer.state.best_model_checkpoint, use_mtime=True)
 
     def log_save(self, info: cp.SaveInfo) -> None:
-        """The save's stall, time to commit, size and throughput through the Trainer's own log(),
-        so TensorBoard, W&B and every logging callback show them per save."""
-        self.trainer.log(info.metrics())
+        """The save's stall, time to commit, size and throughput to every logging callback
+        (TensorBoard, W&B, ...) as the Trainer's `log()` sends them, but not into `log_history`:
+        that is the training's record, which trainer_state.json keeps and runs are compared by."""
+        t = self.trainer
+        t.control = t.callback_handler.on_log(t.args, t.state, t.control, info.metrics())
 
     @staticmethod
     def _nothing(*args, **kwargs) -> None:
@@ -202,18 +224,32 @@ class _Integration:
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
                              trial):
-        """The Trainer's own, except that a checkpoint holding the data position names the epoch
-        and nothing is skipped: the sampler resumes at the position itself (loaded with the
-        optimizer), whatever the global batch is now."""
+        """The Trainer's own, except that a checkpoint holding the data position says where the
+        resumed epoch stands: the position is loaded now (the sampler starts the epoch with the
+        consumed samples, which the Trainer skips without loading them), whatever the global
+        batch is now."""
         epochs, steps = self.native["_init_training_state"](max_steps, num_update_steps_per_epoch, num_train_epochs,
                                                             resume_from_checkpoint, trial)
-        if self.data is None or not is_ckpt_plugins_checkpoint(resume_from_checkpoint):
+        args = self.trainer.args
+        if self.data is None or args.ignore_data_skip or not is_ckpt_plugins_checkpoint(resume_from_checkpoint):
             return epochs, steps
         storage = storage_for(resume_from_checkpoint)
         metadata = cp.read_metadata(storage)
         if "data/position" not in metadata.objects:  # saved before the data was kept
             return epochs, steps
-        return int(read_object(storage, metadata, "data/position", None)["epoch"]), 0
+        changes = self.data.sampler.order.changes(Order(**read_object(storage, metadata, "data/position", None)["order"]))
+        if changes:
+            what = ", ".join(f"{name} {was!r} -> {now!r}" for name, (was, now) in changes.items())
+            if self.on_data_change == "error":
+                raise cp.DataChangedError(f"the training data changed since {resume_from_checkpoint}: {what}")
+            log.warning("the training data changed since %s (%s): its position cannot be resumed; the Trainer "
+                        "skips %d batch(es) of the new data, as it does without ckpt_plugins", resume_from_checkpoint,
+                        what, steps)
+            return epochs, steps
+        self.ckpt().load(resume_from_checkpoint, {"data": self.data}, strict=False)
+        batch = args.per_device_train_batch_size * max(1, args.world_size)
+        epoch, skipped = self.data.sampler.resume_front(batch * args.gradient_accumulation_steps)
+        return epoch, skipped // batch
 
     # ---------------------------------------------------------------- loading
 
@@ -225,10 +261,10 @@ class _Integration:
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if not is_ckpt_plugins_checkpoint(checkpoint):
             return self.native["_load_optimizer_and_scheduler"](checkpoint)
-        # RNG states are restored where the Trainer restores them: after skipping batches
-        state = {**self.state(with_training_state=True), "rng": cp.Ignore(), HF_CONFIG: cp.Ignore()}
-        if self.data is None or "data/position" not in cp.read_metadata(checkpoint).objects:
-            state["data"] = cp.Ignore()  # another sampling strategy now, or saved before the data was kept
+        # RNG states are restored where the Trainer restores them: after skipping batches; the data
+        # position was loaded with the training state (or does not apply)
+        state = {**self.state(with_training_state=True), "rng": cp.Ignore(), HF_CONFIG: cp.Ignore(),
+                 "data": cp.Ignore()}
         self.ckpt().load(checkpoint, state)
 
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
@@ -251,6 +287,20 @@ class _Integration:
 
     def on_train_end(self) -> None:
         self.finish_pending()
+
+
+def _model_files(output_dir: str):
+    """A save's step after its commit (`Checkpointer.save(then=...)`): every rank writes its share of
+    the model's HF files from the committed checkpoint; any rank's failure is the save's."""
+    def then(coord, info) -> None:
+        failure = None
+        try:
+            write_model_files(output_dir, output_dir, rank=coord.rank, world=coord.world_size, config=False)
+        except Exception as exc:
+            failure = RankFailure.of(coord.rank, exc)
+        coord.agree(failure, what=f"writing the model's HF files into {output_dir}",
+                    then="The checkpoint is committed; from_pretrained cannot read the directory")
+    return then
 
 
 def _config_json(trainer) -> Optional[str]:
@@ -279,11 +329,17 @@ _NO_OPS = ("_save_optimizer_and_scheduler", "_save_rng_state", "_save_scaler")
 
 
 def enable(trainer, *, async_save: bool = False, checkpointer: Optional[cp.Checkpointer] = None,
-           peft_base: Optional[str] = None, adapters_only: bool = True):
-    """Make `trainer` save and resume through ckpt_plugins (see the module docstring). Returns it."""
+           peft_base: Optional[str] = None, adapters_only: bool = True, hf_weights: bool = True,
+           on_data_change: str = "warn"):
+    """Make `trainer` save and resume through ckpt_plugins (see the module docstring). Returns it.
+
+    `hf_weights`: write the model's HF files into each checkpoint too (from_pretrained reads it).
+    `on_data_change`: "warn" (the Trainer's own fast-forward) or "error" when a resume finds the
+    training data changed since its checkpoint."""
     from transformers import TrainerCallback
 
-    integration = _Integration(trainer, async_save, checkpointer, peft_base, adapters_only)
+    integration = _Integration(trainer, async_save, checkpointer, peft_base, adapters_only, hf_weights,
+                               on_data_change)
     for name in _HOOKS:
         integration.native[name] = getattr(trainer, name)
         setattr(trainer, name, getattr(integration, name))

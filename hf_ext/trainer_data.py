@@ -11,7 +11,7 @@ loads here too.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -22,14 +22,18 @@ from ckpt_plugins.state import Handler, LoadItems, SaveItems
 
 
 class EpochSampler(torch.utils.data.Sampler):
-    """A random order seeded by `seed + epoch`; a resumed epoch deals only its remaining positions.
-    `global_step()` tells where a pass over the data started (to count what it consumed)."""
+    """A random order seeded by `seed + epoch`. A resumed epoch deals the samples it had consumed
+    first, padded with placeholders to whole steps (the Trainer skips them all without loading
+    them, as it skips a resumed epoch's first batches), then the samples still to come; with the
+    global batch unchanged, that is the uninterrupted epoch's order. `global_step()` tells where a
+    pass over the data started (to count what it consumed)."""
 
     def __init__(self, length: int, seed: int, global_step: Callable[[], int]):
         self.order = Order(length, seed)
         self.global_step = global_step
         self.epoch, self.started = 0, 0
         self.resumed: Optional[tuple] = None  # (epoch, remaining positions) from a checkpoint
+        self.front = 0  # positions the Trainer skips at the start of the resumed epoch
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -38,11 +42,30 @@ class EpochSampler(torch.utils.data.Sampler):
         """The positions this epoch's pass deals when it resumed one (None: the whole epoch)."""
         return self.resumed[1] if self.resumed is not None and self.resumed[0] == self.epoch else None
 
+    def resume_front(self, step_samples: int) -> Tuple[int, int]:
+        """(the epoch to resume, how many samples the Trainer skips in it): the consumed ones,
+        rounded up to whole steps of `step_samples`. A finished epoch resumes at the next."""
+        epoch, remaining = self.resumed if self.resumed is not None else (self.epoch, None)
+        if remaining is None:
+            return epoch, 0
+        if not remaining:
+            self.resumed = None
+            self.set_epoch(epoch + 1)
+            return epoch + 1, 0
+        consumed = self.order.length - len(remaining)
+        self.front = -(-consumed // step_samples) * step_samples
+        return epoch, self.front
+
     def __iter__(self):
         self.started = self.global_step()
         order = epoch_order(self.order, self.epoch)
-        positions = self.resumed_positions()
-        return iter(order if positions is None else [order[p] for p in positions])
+        remaining = self.resumed_positions()
+        if remaining is None:
+            return iter(order)
+        left = set(remaining)
+        consumed = [order[p] for p in range(self.order.length) if p not in left]
+        filler = [order[0]] * (self.front - len(consumed))  # skipped, never loaded
+        return iter(consumed[:self.front] + filler + [order[p] for p in remaining])
 
     def __len__(self) -> int:
         return self.order.length  # the Trainer's steps per epoch stay those of a whole epoch

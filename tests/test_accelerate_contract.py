@@ -1,0 +1,89 @@
+"""accelerate's contract with `hf_ext.accelerate.enable`: `Accelerator.save_state()`/`load_state()`
+with automatic checkpoint naming, `total_limit` rotation, a registered custom object and the
+save/load pre-hooks behave as stock (folders, counters, losses, learning rates, hooks), and a run
+interrupted after a save and resumed with `load_state()` continues the uninterrupted one bit for
+bit."""
+import os
+import shutil
+
+import torch
+
+from distributed import run_env_ranks
+from hf_models import batch, tiny_llama
+
+
+class Counter:
+    """An object registered with `register_for_checkpointing`."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+
+
+def run(rank, world, project, plugin, resume, snapshot, result_path):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    import hf_ext.accelerate
+    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=project, automatic_checkpoint_naming=True, total_limit=2))
+    model = tiny_llama(0 if not resume else 5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    hooked = []
+    accelerator.register_save_state_pre_hook(lambda models, weights, out: hooked.append(("save", os.path.basename(out))))
+    accelerator.register_load_state_pre_hook(lambda models, out: hooked.append(("load", os.path.basename(out))))
+    if plugin:
+        hf_ext.accelerate.enable(accelerator)
+    log, first = {}, 0
+    if resume:
+        accelerator.load_state()  # the latest checkpoint_<i>
+        accelerator.project_configuration.iteration = 2  # as a user resuming with automatic naming does
+        first = 4
+    for i in range(first, 6):
+        ids = batch(i)[rank::world]
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        counter.seen += 1
+        log[i] = (accelerator.gather(loss.detach().reshape(1)).mean().item(), sched.get_last_lr())
+        if i % 2 == 1:
+            accelerator.save_state()
+            if i == 3 and snapshot and rank == 0:
+                shutil.copytree(project, snapshot)
+    if rank == 0:
+        torch.save({"log": log, "hooked": hooked, "step": accelerator.step, "counter": counter.seen,
+                    "iteration": accelerator.save_iteration, "dirs": sorted(os.listdir(f"{project}/checkpoints")),
+                    "weights": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
+                    "moments": {k: {n: t.clone() for n, t in s.items()} for k, s in opt.optimizer.state_dict()["state"].items()}},
+                   result_path)
+
+
+def test_accelerate_save_state_with_the_plugin_keeps_accelerates_folders_hooks_and_resumes_exactly(tmp_path):
+    results = {}
+    for name, plugin in (("stock", False), ("ours", True)):
+        run_env_ranks(2, run, str(tmp_path / name), plugin, False, str(tmp_path / f"{name}-at-3"), tmp_path / f"{name}.pt")
+        results[name] = torch.load(tmp_path / f"{name}.pt")
+    ours, stock = results["ours"], results["stock"]
+    assert ours["dirs"] == stock["dirs"] == ["checkpoint_1", "checkpoint_2"]  # total_limit rotated checkpoint_0
+    assert ours["log"] == stock["log"] and ours["hooked"] == stock["hooked"]
+    assert (ours["step"], ours["counter"], ours["iteration"]) == (stock["step"], stock["counter"], stock["iteration"])
+    assert os.path.exists(tmp_path / "ours" / "checkpoints" / "checkpoint_2" / "metadata.json")
+    # interrupted after the save at step 3, resumed with load_state(): the uninterrupted run
+    run_env_ranks(2, run, str(tmp_path / "ours-at-3"), True, True, None, tmp_path / "resumed.pt")
+    resumed = torch.load(tmp_path / "resumed.pt")
+    assert resumed["log"] == {i: ours["log"][i] for i in (4, 5)}
+    assert resumed["hooked"] == [("load", "checkpoint_1"), ("save", "checkpoint_2")]
+    assert resumed["dirs"] == ours["dirs"] and resumed["counter"] == ours["counter"] and resumed["step"] == ours["step"]
+    assert all(torch.equal(resumed["weights"][k], v) for k, v in ours["weights"].items())
+    assert all(torch.equal(resumed["moments"][k][n], t) for k, s in ours["moments"].items() for n, t in s.items())
