@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
@@ -20,8 +21,9 @@ from ckpt_plugins.committed import read_pointer
 from ckpt_plugins.format import DATA_DIR
 from ckpt_plugins.results import take_finished
 from ckpt_plugins.state import Handler, LoadItems, SaveItems
-from ckpt_plugins.storage import storage_for
+from ckpt_plugins.storage import LocalStorage, storage_for
 
+from . import zero_to_fp32
 from .zero import DeepSpeedModel, DeepSpeedOptimizer, ZeroState
 
 log = logging.getLogger("deepspeed_ext")
@@ -110,16 +112,19 @@ class Hooks:
         tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
         path = os.path.join(save_dir, tag)
 
-        def write_latest() -> None:  # only once the checkpoint is whole
+        def after_commit() -> None:  # only once the checkpoint is whole
+            root = storage_for(save_dir)
             if save_latest:
-                storage_for(save_dir).put_atomic(LATEST, tag.encode())
+                root.put_atomic(LATEST, tag.encode())
+            if isinstance(root, LocalStorage):  # where DeepSpeed puts its zero_to_fp32.py: ours, for ours
+                shutil.copyfile(zero_to_fp32.__file__, os.path.join(save_dir, "zero_to_fp32.py"))
 
         # as DeepSpeed's own save: ZeRO-3 releases gathered parameters before, gathers persistent ones after
         if engine._optimizer_has_ckpt_event_prologue():
             engine.optimizer.checkpoint_event_prologue()
         result = self.checkpointer.save(path, self.state(client_state), async_=self.async_save, framework="deepspeed",
                                         layout=layout(engine), step=int(engine.global_steps), overwrite=True,
-                                        on_commit=write_latest)
+                                        on_commit=after_commit)
         if engine._optimizer_has_ckpt_event_epilogue():
             engine.optimizer.checkpoint_event_epilogue()
         self.unlogged.append(result)
