@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .errors import CorruptCheckpointError, IncompleteCheckpointError, NotACheckpointError
-from .format import DATA_DIR, METADATA_FILE, Metadata, decode_metadata
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, NotACheckpointError
+from .format import DATA_DIR, FORMAT_NAME, METADATA_FILE, Metadata, decode_metadata
 from .objects import decode_object
 from .storage import Storage, storage_for
 
@@ -14,12 +14,21 @@ def _storage(path) -> Storage:
     return path if isinstance(path, Storage) else storage_for(path)
 
 
+_MARK = b'{"format":"' + FORMAT_NAME.encode() + b'"'  # how every metadata file we write begins
+
+
 def is_checkpoint(path) -> bool:
     """Whether `path` (a directory, an `s3://` prefix, any storage) holds a committed checkpoint.
-    Cheap: it only looks for the metadata file; `read_metadata` validates it."""
+    Cheap: it reads the metadata file's first bytes (Megatron's torch_dist directories have a
+    metadata.json too); `read_metadata` validates the rest."""
     try:
-        return _storage(path).exists(METADATA_FILE)
-    except (OSError, ValueError):
+        storage = _storage(path)
+        if not storage.exists(METADATA_FILE) or storage.size(METADATA_FILE) < len(_MARK):
+            return False
+        head = bytearray(len(_MARK))
+        storage.read_into(METADATA_FILE, 0, head)
+        return bytes(head) == _MARK
+    except (OSError, ValueError, CheckpointError):
         return False
 
 

@@ -11,7 +11,8 @@ Enable it in your `pretrain_gpt.py` with two lines (the flag then switches it pe
 imported them by name (`training`); without the flag (`--ckpt-backend native`,
 the default) they call Megatron's own. Kept: `--save`/`--load`, `iter_NNNNNNN` directories,
 `latest_checkpointed_iteration.txt` (written by rank 0 once the checkpoint has committed), `--ckpt-step`,
-`--finetune`, `--no-save-optim`/`--no-load-optim`, `--no-save-rng`/`--no-load-rng`, `--async-save`
+`--finetune`, `--no-save-optim`/`--no-load-optim`, `--no-save-rng`/`--no-load-rng`, `--use-checkpoint-args`
+(the model arguments come from the checkpoint, through Megatron's own rules), `--async-save`
 (an asynchronous ckpt_plugins save), `--non-persistent-save-interval` (saves to the memory tier,
 replicated to another host; a restart with `--load` = `--save` takes the newest of memory and the
 tracker's iteration, agreed by every rank), the iteration, FLOPs so far, consumed samples, the LR scheduler
@@ -290,6 +291,26 @@ def load(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: 
     return (0 if not full else int(values["iteration"])), values["num_floating_point_operations_so_far"]
 
 
+def checkpoint_run(load_dir: str, step: Optional[int] = None):
+    """What Megatron's `_load_base_checkpoint(rank0=True)` gives `--use-checkpoint-args` for a
+    ckpt_plugins checkpoint in `load_dir` (its saved arguments and iteration); None without one."""
+    import argparse
+    from ckpt_plugins.committed import read_object
+    path = resolve(load_dir, step) if load_dir else None
+    if path is None or not cp.is_checkpoint(path):
+        return None
+    storage = storage_for(path)
+    metadata = cp.read_metadata(storage)
+    saved = {k: read_object(storage, metadata, f"megatron/{k}", None) for k in ("args", "iteration")
+             if f"megatron/{k}" in metadata.objects}
+    if not saved:
+        return None
+    state = {"iteration": saved.get("iteration", 0), "checkpoint_version": 3.0}
+    if "args" in saved:
+        state["args"] = argparse.Namespace(**saved["args"])
+    return state, path, False, None
+
+
 def _update_microbatches(consumed: int) -> None:
     from megatron.core import num_microbatches_calculator as nmc
     if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
@@ -332,7 +353,18 @@ def install() -> None:
             warm_up(model, optimizer, opt_param_scheduler)
         return result
 
+    native_base = checkpointing._load_base_checkpoint
+
+    def _load_base_checkpoint(load_dir, args, rank0=False, *rest, **kwargs):
+        # --use-checkpoint-args reads the arguments through this (before the global args are set)
+        if rank0 and getattr(args, "ckpt_backend", "native") == BACKEND:
+            found = checkpoint_run(load_dir, getattr(args, "ckpt_step", None))
+            if found is not None:
+                return found
+        return native_base(load_dir, args, rank0, *rest, **kwargs)
+
     save_checkpoint.ckpt_plugins = load_checkpoint.ckpt_plugins = True
     for module in (checkpointing, training):  # training imported them by name
         module.save_checkpoint, module.load_checkpoint = save_checkpoint, load_checkpoint
+    checkpointing._load_base_checkpoint = _load_base_checkpoint
     training.train_step = train_step
