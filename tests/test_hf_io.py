@@ -60,6 +60,15 @@ def test_export_prefers_fp32_masters_and_converts_on_request(tmp_path):
     assert all(torch.equal(exported[n], m) for n, m in masters.items())  # the masters, not upcast bf16
 
 
+def test_export_of_a_plain_module_without_an_hf_config(tmp_path):
+    from safetensors.torch import load_file
+    model = torch.nn.Linear(4, 3)  # a Trainer checkpoint of a plain torch module has no HF config
+    cp.save(tmp_path / "c", {"model": model, "hf_config": None})
+    out = bcp("export", tmp_path / "c", tmp_path / "hf")
+    assert sorted(os.listdir(tmp_path / "hf")) == ["model.safetensors"] and "config.json" not in out.stdout
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in load_file(tmp_path / "hf" / "model.safetensors").items())
+
+
 def test_export_streams_with_bounded_memory(tmp_path):
     tensors = {f"layer{i}.weight": torch.randn(2048, 3072) for i in range(8)}  # 8 x 24 MiB
     cp.save(tmp_path / "c", {"model": tensors})

@@ -167,3 +167,42 @@ def test_trainer_resumes_the_epoch_with_another_global_batch(tmp_path):
     run_env_ranks(1, data_run, str(run), str(run / "checkpoint-4"), 2, 12, tmp_path / "b")
     after = consumed(tmp_path / "b", 1)
     assert sorted(before + after) == list(range(SAMPLES)), (sorted(before), sorted(after))
+
+
+def changed_data_run(rank, world, out_dir, resume, samples, on_data_change, result_path):
+    """A Trainer resuming on a dataset of another length than its checkpoint's."""
+    import logging
+
+    from transformers import Trainer, TrainingArguments
+
+    import hf_ext.trainer
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hf_ext.trainer").addHandler(handler)
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, max_steps=4, save_strategy="steps",
+                             save_steps=2, learning_rate=1e-2, use_cpu=True, report_to=[], seed=0,
+                             dataloader_drop_last=True, disable_tqdm=True)
+    data = Tokens()
+    data.ids = data.ids[:samples] if samples <= len(data.ids) else data.ids.repeat(2, 1)[:samples]
+    type(data).__len__ = lambda self: len(self.ids)
+    trainer = hf_ext.trainer.enable(Trainer(model=tiny_llama(0), args=args, train_dataset=data),
+                                    on_data_change=on_data_change)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+        outcome = trainer.state.global_step
+    except cp.DataChangedError as exc:
+        outcome = str(exc)
+    torch.save({"outcome": outcome, "warnings": [r.getMessage() for r in records if r.levelname == "WARNING"]},
+               result_path)
+
+
+def test_a_resume_on_changed_data_warns_as_the_trainer_would_go_on_or_refuses_when_asked(tmp_path):
+    run = tmp_path / "run"
+    run_env_ranks(1, changed_data_run, str(run), None, 32, "warn", tmp_path / "a.pt")
+    run_env_ranks(1, changed_data_run, str(run), str(run / "checkpoint-2"), 40, "warn", tmp_path / "b.pt")
+    warned = torch.load(tmp_path / "b.pt")
+    assert warned["outcome"] == 4  # the Trainer's own fast-forward over the new data, to the end
+    assert any("length 32 -> 40" in w for w in warned["warnings"]), warned["warnings"]
+    run_env_ranks(1, changed_data_run, str(run), str(run / "checkpoint-2"), 40, "error", tmp_path / "c.pt")
+    assert "length 32 -> 40" in torch.load(tmp_path / "c.pt")["outcome"]

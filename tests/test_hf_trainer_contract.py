@@ -7,6 +7,7 @@ order, so stock and plugin runs train on other batches."""
 import json
 import os
 import shutil
+import sys
 
 import torch
 
@@ -59,6 +60,13 @@ def run(rank, world, out_dir, resume, plugin, per_device, result_path):
         torch.save({"log": [{k: v for k, v in h.items() if k not in TIMING} for h in trainer.state.log_history],
                     "samples": {s: sorted(ids) for s, ids in by_step.items()},
                     "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}, result_path)
+    if world > 1:
+        torch.distributed.barrier()
+    # Leave without the interpreter's teardown: the stock Trainer's gloo run aborted there now and
+    # then ("terminate called without an active exception"), in runs without the plugin too.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def trainer_state(path) -> dict:
@@ -78,8 +86,8 @@ def test_trainer_with_the_plugin_keeps_the_trainers_steps_epochs_checkpoints_and
     for name, plugin in (("stock", False), ("ours", True)):
         out = tmp_path / name
         run_env_ranks(2, run, str(out), None, plugin, 2, tmp_path / f"{name}.pt")
-        resumed = tmp_path / f"{name}-resumed"
-        shutil.copytree(out / "checkpoint-3", resumed / "checkpoint-3")
+        resumed = tmp_path / f"{name}-resumed"  # in the run's own output_dir: it saves steps 6 and 8 again
+        shutil.copytree(out, resumed)
         run_env_ranks(2, run, str(resumed), str(resumed / "checkpoint-3"), plugin, 2, tmp_path / f"{name}-r.pt")
         runs[name], runs[f"{name}-resumed"] = torch.load(tmp_path / f"{name}.pt"), torch.load(tmp_path / f"{name}-r.pt")
     ours, stock = runs["ours"], runs["stock"]
@@ -100,7 +108,8 @@ def test_trainer_with_the_plugin_keeps_the_trainers_steps_epochs_checkpoints_and
     # every sample once per epoch, the partial last step included
     epoch0 = [i for s in range(1, 6) for i in ours["samples"][s]]
     assert sorted(epoch0) == list(range(SAMPLES))
-    # interrupted at step 3 and resumed: the uninterrupted run, as stock resumes
+    # interrupted at step 3 and resumed in the same output_dir (checkpoints 6 and 8 are replaced): the
+    # uninterrupted run, as stock resumes
     for name in ("ours", "stock"):
         full, resumed = runs[name], runs[f"{name}-resumed"]
         assert sorted(os.listdir(tmp_path / f"{name}-resumed")) == ["checkpoint-3", "checkpoint-6", "checkpoint-8"]
