@@ -320,6 +320,8 @@ def _save_side_files(trainer, output_dir: str) -> None:
         generation.save_pretrained(output_dir)
     if trainer.processing_class is not None:
         trainer.processing_class.save_pretrained(output_dir)
+    elif getattr(trainer.data_collator, "tokenizer", None) is not None:  # as the Trainer's own _save
+        trainer.data_collator.tokenizer.save_pretrained(output_dir)
     torch.save(trainer.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
 
