@@ -85,8 +85,7 @@ def main() -> None:
                     stall = time.perf_counter() - t
                     pending.result()
                 else:
-                    handle = ckpt.save(path, {"model": model, "optim": opt}, async_=name == "ours_async",
-                                       overlap=name == "ours_overlap")
+                    handle = ckpt.save_async(path, {"model": model, "optim": opt}, overlap=name == "ours_overlap")
                     stall = time.perf_counter() - t
                     handle.wait_snapshot()  # what the training loop calls before its next step
                     snapshots.setdefault(name, []).append(time.perf_counter() - t)

@@ -69,13 +69,13 @@ def first_job(rank: int, world: int, port: int, args, root: str, hosts_dir: str)
         handle.wait()
         return slowest(stall), slowest(time.time() - t)
 
-    timed(lambda: ck.save(os.path.join(root, "async_warm"), state, async_=True))  # unmeasured
+    timed(lambda: ck.save_async(os.path.join(root, "async_warm"), state))  # unmeasured
     timed(lambda: mgr.save(1, state))
     stalls = {"async": [], "memory": []}
     done = {"async": [], "memory": []}
     def async_save(rep: int) -> tuple:
         path = os.path.join(root, f"async_{rep}")
-        out = timed(lambda: ck.save(path, state, async_=True))
+        out = timed(lambda: ck.save_async(path, state))
         dist.barrier()
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)

@@ -154,9 +154,9 @@ class Methods:
         if name == "ours_sync":
             self.ckpt.save(path, state)
         elif name == "ours_async":
-            return self.ckpt.save(path, state, async_=True)
+            return self.ckpt.save_async(path, state)
         elif name == "ours_overlap":
-            return self.ckpt.save(path, state, overlap=True)
+            return self.ckpt.save_async(path, state, overlap=True)
         elif name == "torch_save_rank0":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
             msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -180,7 +180,7 @@ class Methods:
                     self.dcp_planner = DefaultSavePlanner(enable_plan_caching=True)
                 return dcp.async_save(sd, checkpoint_id=path, process_group=self.gloo, planner=self.dcp_planner)
         elif name == "bytecheckpoint":
-            return self.bcp.save(path, model, opt, async_=True)
+            return self.bcp.save_async(path, model, opt)
         return None
 
     @staticmethod

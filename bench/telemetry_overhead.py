@@ -48,8 +48,8 @@ def worker(rank, world, port, args, root):
                 path = os.path.join(root, f"{mode}-{on}")
                 dist.barrier()
                 t = time.perf_counter()
-                out = ckpts[on].save(path, state, async_=mode == "async", overwrite=True)
-                info = out.wait() if mode == "async" else out
+                info = (ckpts[on].save_async(path, state, overwrite=True).wait() if mode == "async"
+                        else ckpts[on].save(path, state, overwrite=True))
                 elapsed = time.perf_counter() - t
                 if rep:
                     times[(on, mode)].append(elapsed)

@@ -14,7 +14,7 @@ from .checkpointer import Checkpointer
 from .committed import is_checkpoint, read_metadata
 from .results import LoadResult, SaveHandle, SaveInfo
 
-__all__ = ["save", "load", "checkpointer", "Checkpointer", "SaveInfo", "SaveHandle", "LoadResult",
+__all__ = ["save", "save_async", "load", "checkpointer", "Checkpointer", "SaveInfo", "SaveHandle", "LoadResult",
            "read_metadata", "is_checkpoint"]
 
 _checkpointers: Dict[Any, Checkpointer] = {}
@@ -37,16 +37,23 @@ def checkpointer(process_group=None) -> Checkpointer:
     return _checkpointers[group]
 
 
-def save(path, state: Dict[str, Any], *, process_group=None, **options):
-    """Save `state` (modules, optimizers, tensors, objects) to `path`, collectively.
+def save(path, state: Dict[str, Any], *, process_group=None, **options) -> SaveInfo:
+    """Save `state` (modules, optimizers, tensors, objects) to `path`, collectively; returns once
+    the checkpoint is committed.
 
-    Every rank of `process_group` calls it. By default it returns a SaveInfo once the checkpoint
-    is committed, raising the same SaveError on every rank, naming the failing ranks, if any rank
-    failed (nothing is then committed).
-    `async_=True` returns a SaveHandle after the snapshot; `overlap=True` returns one at once.
-    Other options: framework, layout, step, overwrite (see Checkpointer.save).
+    Every rank of `process_group` calls it. If any rank failed, every rank raises the same
+    SaveError naming the failing ranks, and nothing is committed. Options: framework, layout,
+    step, overwrite, base (`SaveOptions`).
     """
     return checkpointer(process_group).save(path, state, **options)
+
+
+def save_async(path, state: Dict[str, Any], *, process_group=None, overlap: bool = False,
+               **options) -> SaveHandle:
+    """`save` in the background: returns a SaveHandle once the snapshot is taken (with
+    `overlap=True` at once, the snapshot running beside the next forward and backward: call
+    `handle.wait_snapshot()` before the next optimizer step). `handle.wait()` for the commit."""
+    return checkpointer(process_group).save_async(path, state, overlap=overlap, **options)
 
 
 def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True) -> LoadResult:

@@ -8,18 +8,19 @@ writes and commits saves in order, and the two gloo groups it coordinates on (se
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 from .coordinator import Coordinator, checkpoint_groups
 from .loading import load
 from .plan_cache import PlanCache
 from .results import LoadResult, SaveHandle, SaveInfo
+from .options import NO_HOOKS, SaveHooks, SaveOptions
 from .saving import Save
+from .warmup import WarmUp
 from .staging import StagingPool
 from .storage import storage_for
 
@@ -54,9 +55,10 @@ class Checkpointer:
         self._last: Optional[SaveHandle] = None
         self._warming: Optional[threading.Thread] = None
 
-    def _groups(self) -> Coordinator:
-        """Foreground coordinator, once any warm-up using it is over; creates the checkpoint's own
-        gloo groups on first use."""
+    def coordinator(self) -> Coordinator:
+        """The foreground coordinator of the checkpoint's own gloo groups (created on first use),
+        once any warm-up using it is over: for collective steps of components built on saves and
+        loads (the memory tier). Every rank calls it."""
         self._finish_warm_up()
         if self._fg is None:
             self._fg, self._bg = checkpoint_groups(self.process_group, self.timeout)
@@ -68,99 +70,71 @@ class Checkpointer:
             self._warming = None
 
     def warm_up(self, state: Dict[str, Any], *, base=None, background: bool = True) -> None:
-        """Pay the first save's one-time costs now, so that it stalls no longer than any later one:
-        the checkpoint groups, the save plan (cached for the next save of the same structure) and a
-        staging slot of the size that save needs, allocated and touched. Faulting in fresh memory
-        was most of a first save here (1.4 s of its 2.1 s for 552 MiB per rank: bench/save_load.py).
-
-        Every rank calls it, after the first optimizer step (optimizer state exists only then) and
-        with the state its saves will pass (`base` as they will). By default the plan and the slot
-        are made in a background thread at low priority, beside the next training steps; the next
-        save or load waits for it. The slot is the one saves reuse, within `staging_cap_bytes`. A
-        failure only logs: the first save then does the work itself.
-        """
-        coord = self._groups()
-        warm = Save(None, state, coord, self.pool, self.cache, meta_extra={}, overwrite=False, on_commit=None,
-                    telemetry=False, base=base)
-        warm.what = "warm-up"
-        warm.collect()  # here: only the caller's thread may read a framework's state
-
-        def run() -> None:
-            if background:  # a thread's own niceness on Linux: training keeps the cores it needs
-                try:
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-                except (AttributeError, OSError):
-                    pass
-            try:
-                warm.plan(copy_early=False)
-                self.pool.acquire(warm.job.nbytes, pin=warm.job.pinned).release()
-            except Exception as exc:
-                log.warning("checkpoint warm-up failed (the first save will plan and stage itself): %s: %s",
-                            type(exc).__name__, exc)
-            finally:
-                warm.release()
-
+        """Pay the first save's one-time costs now, so that it stalls no longer than any later one
+        (`warmup.WarmUp`). Every rank calls it, after the first optimizer step (optimizer state
+        exists only then) and with the state its saves will pass (`base` as they will). By
+        default the work runs in a background thread at low priority, beside the next training
+        steps; the next save or load waits for it. The slot is the one saves reuse, within
+        `staging_cap_bytes`."""
+        warm = WarmUp(state, self.coordinator(), self.pool, self.cache, base)
         if background:
-            self._warming = threading.Thread(target=run, name="ckpt-warm-up", daemon=True)
+            self._warming = threading.Thread(target=warm.run, args=(True,), name="ckpt-warm-up", daemon=True)
             self._warming.start()
         else:
-            run()
+            warm.run(False)
 
     def _after_last(self, storage) -> None:
         if self._last is not None and self._last.path == str(storage):
             self._last.wait_quietly()  # never clean up or read under a save still writing here
 
-    def save(self, path, state: Dict[str, Any], *, async_: bool = False, overlap: bool = False,
-             framework: str = "torch", layout: Optional[Dict[str, Any]] = None, step: Optional[int] = None,
-             overwrite: bool = False, on_commit: Optional[Callable[[], None]] = None,
-             on_summary: Optional[Callable[[Dict[str, Any]], None]] = None, base=None,
-             then: Optional[Callable[[Coordinator, SaveInfo], None]] = None):
-        """Save `state` to `path`. Sync: returns SaveInfo once committed. `async_=True`: returns a
-        SaveHandle once the snapshot is taken. `overlap=True`: returns a SaveHandle at once, the
-        snapshot running in the background; call `wait_snapshot()` before the next optimizer step.
-        `on_commit()` runs on the coordinating rank right after the commit, before the save counts
-        as done (a "latest" pointer, retention); its failure is the save's error. `on_summary(figures)`
-        runs there too, just before, with the save's telemetry summary (a run's history); its
-        failure only logs. `base`: a committed checkpoint this state was built on (a PEFT run's
-        frozen base): frozen parameters it holds alike are left to it (see `base_ref`).
-        `then(coordinator, info)`: a step every rank runs after the commit, on the background
-        group, before the save counts as done (the memory tier replicates and persists there);
-        its failure is the save's error, so it must reach every rank through the coordinator.
-        """
-        coord = self._groups()
+    def save(self, path, state: Dict[str, Any], *, hooks: SaveHooks = NO_HOOKS, **options) -> SaveInfo:
+        """Save `state` to `path`; returns once committed. `options`: the fields of `SaveOptions`
+        (framework, layout, step, overwrite, base); `hooks`: steps around the commit (`SaveHooks`).
+        Writing starts while the later tensors are still being copied."""
+        save = self._start(path, state, "sync", options, hooks)
+        self._executor.submit(save.write_and_commit, self._bg, self.threads)
+        save.snapshot()
+        info = save.handle.wait()
+        self._returned(save)
+        return info
+
+    def save_async(self, path, state: Dict[str, Any], *, overlap: bool = False, hooks: SaveHooks = NO_HOOKS,
+                   **options) -> SaveHandle:
+        """Save `state` to `path` in the background; returns a SaveHandle once the snapshot is taken
+        (training may then change the state; `handle.wait()` for the commit). `overlap=True`:
+        returns at once, the snapshot running beside the next forward and backward; call
+        `handle.wait_snapshot()` before the next optimizer step."""
+        save = self._start(path, state, "overlap" if overlap else "async", options, hooks)
+        if overlap:
+            threading.Thread(target=save.snapshot, name="ckpt-snapshot", daemon=True).start()
+        else:
+            save.snapshot()  # training waits for this alone: it gets the cores to itself
+        self._returned(save)
+        self._executor.submit(save.write_and_commit, self._bg, self.threads)  # following the snapshot
+        return save.handle
+
+    def _start(self, path, state: Dict[str, Any], mode: str, options: Dict[str, Any], hooks: SaveHooks) -> Save:
+        coord = self.coordinator()
         storage = storage_for(path, direct_io=self.direct_io)
         self._after_last(storage)
         t0 = time.time()
-        mode = "overlap" if overlap else "async" if async_ else "sync"
-        save = Save(storage, state, coord, self.pool, self.cache, overwrite=overwrite, on_commit=on_commit,
-                    meta_extra=dict(framework=framework, layout=dict(layout or {}), step=step), mode=mode,
-                    telemetry=self.telemetry, on_summary=on_summary, base=base, then=then)
+        save = Save(storage, state, coord, self.pool, self.cache, SaveOptions(**options), hooks, mode=mode,
+                    telemetry=self.telemetry)
         save.recorder.record.start = t0
         save.prepare(copy_early=mode == "async")
         self._last = save.handle
+        return save
 
-        def returned() -> None:  # the stall: from the call until training may go on
-            save.handle.info.timings["stall"] = save.recorder.record.info["stall"] = time.time() - t0
+    @staticmethod
+    def _returned(save: Save) -> None:
+        """The stall: from the call until training may go on."""
+        stall = time.time() - save.recorder.record.start
+        save.handle.info.timings["stall"] = save.recorder.record.info["stall"] = stall
 
-        def write() -> None:  # the writers follow the snapshot's progress piece by piece
-            self._executor.submit(save.write_and_commit, self._bg, self.threads)
-
-        if mode == "overlap":
-            threading.Thread(target=save.snapshot, name="ckpt-snapshot", daemon=True).start()
-            returned()
-            write()
-        elif mode == "async":
-            save.snapshot()  # training waits for this alone: it gets the cores to itself
-            returned()
-            write()
-        else:
-            write()
-            save.snapshot()  # writing starts while the later tensors are still being copied
-        if mode != "sync":
-            return save.handle
-        info = save.handle.wait()
-        returned()
-        return info
+    def wait_idle(self) -> None:
+        """Wait until no save is in flight, leaving its error to its own handle."""
+        if self._last is not None:
+            self._last.wait_quietly()
 
     def wait(self) -> None:
         """Wait for the last save's commit (raising its error)."""
@@ -181,7 +155,7 @@ class Checkpointer:
         need is read by one of them and passed to the others. Any rank's failure raises the same
         error on every rank.
         """
-        coord = self._groups()
+        coord = self.coordinator()
         storage = storage_for(path, direct_io=self.direct_io)
         self._after_last(storage)
         return load(storage, state, coord, strict=strict, read_threads=self.read_threads,

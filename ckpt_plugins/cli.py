@@ -11,15 +11,8 @@ from .committed import check_files, read_metadata
 from .engine.read import read_checked
 from .errors import CheckpointError, IncompleteCheckpointError
 from .format import Metadata
+from .progress import progress_bar
 from .storage import storage_for
-
-
-def progress_bar(total: int, label: str):
-    """A byte-counting progress bar on stderr (tqdm), shown only when stderr is a terminal;
-    `total` 0 when unknown. `.update(n)` as bytes land, `.close()` at the end."""
-    from tqdm import tqdm
-    return tqdm(total=total or None, desc=label, unit="B", unit_scale=True, leave=False,
-                disable=not sys.stderr.isatty())
 
 
 def _summary(metadata: Metadata) -> dict:

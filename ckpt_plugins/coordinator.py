@@ -125,6 +125,17 @@ class Coordinator:
                 work.wait()
         return [int(v) for v in values.tolist()]
 
+    def agreed(self, fn: Callable[[], Any], *, what: str, then: str = "", default=CheckpointError) -> List[Any]:
+        """Every rank's `fn()`, once each rank has run it; if any raised, every rank raises the
+        same exception naming the failing ranks (with their tracebacks). The one way a step every
+        rank depends on is run (DCP's `_DistWrapper` does the same)."""
+        failure, payload = None, None
+        try:
+            payload = fn()
+        except Exception as exc:
+            failure = RankFailure.of(self.rank, exc)
+        return self.agree(failure, payload, what=what, then=then, default=default)
+
     def agree(self, failure: Optional[RankFailure], payload: Any = None, *, what: str, then: str = "",
               default=CheckpointError) -> List[Any]:
         """Everyone's `payload`, once every rank has said whether it failed; if any did, every

@@ -2,6 +2,7 @@
 the one exception every rank raises from all of them."""
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Type
 
@@ -11,14 +12,16 @@ from .errors import CheckpointError
 
 @dataclass(frozen=True)
 class RankFailure:
-    """One rank's failure: the exception's class name and message, travelling between ranks."""
+    """One rank's failure: the exception's class name, message and traceback text, travelling
+    between ranks."""
     rank: int
     kind: str
     message: str
+    trace: str = ""  # where it was raised, on the failing rank
 
     @classmethod
     def of(cls, rank: int, exc: BaseException) -> "RankFailure":
-        return cls(rank, type(exc).__name__, str(exc))
+        return cls(rank, type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)))
 
     def __str__(self) -> str:
         return f"rank {self.rank}: {self.kind}: {self.message}"
@@ -38,6 +41,9 @@ def failure_error(failures: Sequence[RankFailure], what: str, then: str = "",
     cls = _error_class(failures[0].kind) or default
     exc = cls(f"{what} failed: " + "; ".join(map(str, failures)) + (f". {then}" if then else ""))
     exc.failures = list(failures)
+    for failure in failures:  # shown under the error's own traceback, on every rank
+        if failure.trace and hasattr(exc, "add_note"):
+            exc.add_note(f"rank {failure.rank}'s traceback:\n{failure.trace.rstrip()}")
     return exc
 
 

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from . import shm
 from .base_ref import BASE, reference, resolve
@@ -19,8 +19,7 @@ from .committed import check_files, read_metadata, read_object
 from .coordinator import Coordinator
 from .engine.read import read_items
 from .errors import LoadMismatchError
-from .failure import RankFailure
-from .plan import (LoadPlan, ReadItem, Request, Transfer, assign_transfers, candidate_keys, plan_load, read_request,
+from .plan import (LoadPlan, ReadItem, ReadRequest, Run, StoredItem, Transfer, assign_transfers, candidate_keys, plan_load, read_request,
                    resolve_key, runs_of, specs_of)
 from .results import LoadResult
 from .state import LoadItems, root_handler
@@ -35,8 +34,8 @@ class LoadRequest:
     """What one rank tells the others before any data moves."""
     wanted: List[str] = field(default_factory=list)  # stored keys it uses
     missing: List[str] = field(default_factory=list)
-    reads: List[Request] = field(default_factory=list)  # for the read-once assignment
-    runs: List[Tuple[bytes, int]] = field(default_factory=list)  # runs_of(reads): replicas' alike runs
+    reads: List[ReadRequest] = field(default_factory=list)  # for the read-once assignment
+    runs: List[Run] = field(default_factory=list)  # runs_of(reads): replicas' alike runs
     host: Optional[str] = None  # ranks of one host exchange through shared memory
 
 
@@ -58,58 +57,59 @@ class Load:
     def prepare(self) -> LoadResult:
         """Metadata, handlers and the load plan on every rank, agreed; nothing touched yet. The
         result names the keys missing from the checkpoint and those nothing wanted."""
-        coord = self.coord
+        coord, recorder = self.coord, self.recorder
         coord.begin()
         self.before = coord.collectives
-        failure, request = None, LoadRequest(host=shm.host_key())
-        recorder = self.recorder
-        try:
-            with recorder.phase("metadata"):
-                self.metadata = metadata = read_metadata(self.storage)
-                check_files(self.storage, metadata)
-            t = time.time()
-            self.items = root_handler(self.state).load_items("", metadata)
-            for check in self.items.checks:
-                check(lambda key: read_object(self.storage, metadata, key, None))
-            specs = specs_of(self.items.fragments)
-            self.plan = plan = plan_load(metadata, specs)
-            # every stored candidate of a wanted tensor counts as used: a bf16 weight is not left
-            # over when its fp32 master filled the model
-            items = self.items
-            request.wanted = sorted({resolve_key(metadata, k) for s in specs for k in candidate_keys(s)}
-                                    | {s.key for s in specs} | set(items.objects) | set(items.per_rank) | items.accepted)
-            request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects]
-            request.reads = [read_request(r) for r in plan.reads]
-            request.runs = runs_of([r.key for r in plan.reads], request.reads)
-            recorder.add("plan", t, time.time())
-        except Exception as exc:  # every rank must learn of it, or the others would wait forever
-            failure = RankFailure.of(coord.rank, exc)
-        with recorder.phase("agree"):
-            self.requests = coord.agree(failure, request, what=self.what, then="Nothing was loaded")
+        planned = []
+        t0 = time.time()
+        self.requests = coord.agreed(lambda: self._request(planned), what=self.what, then="Nothing was loaded")
+        recorder.add("agree", planned[0] if planned else t0, time.time())
         stored = set(self.metadata.tensors) | set(self.metadata.objects) | set(self.metadata.aliases)
         return LoadResult(missing_keys=sorted({k for r in self.requests for k in r.missing}),
                           unexpected_keys=sorted(stored - {k for r in self.requests for k in r.wanted}))
 
+    def _request(self, planned: list) -> LoadRequest:
+        """This rank's metadata, handlers' items and load plan, as what it tells the others
+        (`planned` gets the time it was done)."""
+        recorder, request = self.recorder, LoadRequest(host=shm.host_key())
+        with recorder.phase("metadata"):
+            self.metadata = metadata = read_metadata(self.storage)
+            check_files(self.storage, metadata)
+        t = time.time()
+        self.items = items = root_handler(self.state).load_items("", metadata)
+        for check in items.checks:
+            check(lambda key: read_object(self.storage, metadata, key, None))
+        specs = specs_of(items.fragments)
+        self.plan = plan = plan_load(metadata, specs)
+        # every stored candidate of a wanted tensor counts as used: a bf16 weight is not left
+        # over when its fp32 master filled the model
+        request.wanted = sorted({resolve_key(metadata, k) for s in specs for k in candidate_keys(s)}
+                                | {s.key for s in specs} | set(items.objects) | set(items.per_rank) | items.accepted)
+        request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects]
+        request.reads = [read_request(r) for r in plan.reads]
+        request.runs = runs_of([r.key for r in plan.reads], request.reads)
+        planned.append(time.time())
+        recorder.add("plan", t, planned[0])
+        return request
+
     def execute(self, result: LoadResult) -> LoadResult:
         """The data, the objects and the handlers' finish steps; agreed again."""
         coord, recorder, plan, metadata = self.coord, self.recorder, self.plan, self.metadata
-        failure = None
-        try:
+
+        def run():
             result.read_bytes = self._read(plan, metadata, self.requests)
             with recorder.phase("objects"):
                 self._objects(metadata, result)
             with recorder.phase("finish"):
                 for finish in self.items.finish:
                     finish()
-        except Exception as exc:
-            failure = RankFailure.of(coord.rank, exc)
+            recorder.record.info["checkpoint_bytes"] = metadata.total_bytes
+            result.telemetry = recorder.finish()
+            return result.telemetry
+
         touched = self._touched(plan)
-        recorder.record.info["checkpoint_bytes"] = metadata.total_bytes
-        result.telemetry = recorder.finish()
-        result.ranks = coord.agree(failure, result.telemetry, what=self.what,
-                                   then=f"On rank {coord.rank}, " + (
-                                       f"these tensors may hold partly loaded data: {_shown(touched)}"
-                                       if touched else "no tensor was written"))
+        result.ranks = coord.agreed(run, what=self.what, then=f"On rank {coord.rank}, " + (
+            f"these tensors may hold partly loaded data: {_shown(touched)}" if touched else "no tensor was written"))
         result.collectives = coord.collectives - self.before
         return result
 
@@ -119,9 +119,9 @@ class Load:
                                       readers=self.storage.readers)
         shared = assignment.transfers
         mine = requests[coord.rank].reads
-        transfers = {i: shared[req[:2]] for i, req in enumerate(mine) if req[:2] in shared}
-        reads = plan.reads + _passed_on(metadata, shared, {req[:2] for req in mine}, coord.rank)
-        transfers.update({i: shared[(r.stored.file, r.stored.offset)]
+        transfers = {i: shared[req.item] for i, req in enumerate(mine) if req.item in shared}
+        reads = plan.reads + _passed_on(metadata, shared, {req.item for req in mine}, coord.rank)
+        transfers.update({i: shared[StoredItem(r.stored.file, r.stored.offset)]
                           for i, r in enumerate(reads) if i >= len(plan.reads)})
         hosts = [r.host for r in requests]
         if not (assignment.shared and self.shared_memory and any(h is not None and hosts.count(h) > 1 for h in hosts)):
@@ -160,13 +160,11 @@ def load(storage: Storage, state: Dict[str, Any], coord: Coordinator, *, strict:
         if BASE not in main.metadata.objects:
             main.check(result)
             return main.execute(result)
-        failure, ref, base_storage = None, None, None
-        try:
+        def follow():
             ref = reference(read_object(storage, main.metadata, BASE, None))
-            base_storage = resolve(storage, ref)
-        except Exception as exc:  # every rank must learn of it
-            failure = RankFailure.of(coord.rank, exc)
-        coord.agree(failure, what=main.what, then="Nothing was loaded")
+            return ref, resolve(storage, ref)
+
+        ref, base_storage = coord.agreed(follow, what=main.what, then="Nothing was loaded")[coord.rank]
         entries = sorted({k.split("/")[0] for k in ref.keys})
         base = Load(base_storage, {e: state[e] for e in entries if e in state}, coord, strict=False, **options)
         loads.append(base)
@@ -195,7 +193,7 @@ def undone_on_failure(loads: List["Load"]):
         raise
 
 
-def _passed_on(metadata, shared: Dict[Tuple[str, int], Transfer], mine: set, rank: int) -> List[ReadItem]:
+def _passed_on(metadata, shared: Dict[StoredItem, Transfer], mine: set, rank: int) -> List[ReadItem]:
     """Reads this rank makes only to pass the bytes on: stored items that no rank needing them
     can read (see `Storage.readers`); they feed no copy here."""
     wanted = {item: t for item, t in shared.items() if t.reader == rank and item not in mine}

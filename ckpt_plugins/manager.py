@@ -20,6 +20,8 @@ from . import lock
 from .api import checkpointer as default_checkpointer
 from .errors import NotACheckpointError
 from .format import METADATA_FILE
+from .options import NO_HOOKS, SaveHooks
+from .results import SaveHandle, SaveInfo
 from .storage import storage_for
 from .telemetry import append_history, summary
 from .tier import MemoryTier
@@ -88,32 +90,39 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state: Dict[str, Any], **options):
-        """`Checkpointer.save` into `path(step)`; `latest` and retention follow its commit. With the
-        memory tier: to memory (and `root` on persisted steps) when the step is due, else None."""
+    def save(self, step: int, state: Dict[str, Any], **options) -> Optional[SaveInfo]:
+        """`Checkpointer.save` into `path(step)`, returning once committed; `latest` and retention
+        follow its commit. With the memory tier: to memory (and `root` on persisted steps) when the
+        step is due, else nothing (None)."""
+        if self.tier is None:
+            return self.checkpointer.save(self.path(step), state, step=int(step), hooks=self._hooks(step), **options)
+        handle = self.save_async(step, state, **options)
+        return handle.wait() if handle is not None else None
+
+    def save_async(self, step: int, state: Dict[str, Any], **options) -> Optional[SaveHandle]:
+        """`Checkpointer.save_async` into `path(step)` (see `save`); None when the memory tier's
+        step is not due."""
+        if self.tier is None:
+            return self.checkpointer.save_async(self.path(step), state, step=int(step), hooks=self._hooks(step),
+                                                **options)
+        durable = self.persist_every is not None and int(step) % self.persist_every == 0
+        if int(step) % self.memory_every and not durable:
+            return None
+        return self.tier.save_async(step, state, persist_to=storage_for(self.path(step)) if durable else None,
+                                    hooks=self._hooks(step, persisted=True) if durable else NO_HOOKS, **options)
+
+    def _hooks(self, step: int, persisted: bool = False) -> SaveHooks:
+        """`latest` and retention after the commit; the run's history gets the save's figures."""
         def committed() -> None:
             self.storage.put_atomic(LATEST, str(int(step)).encode())
             self._retain(int(step))
 
         def history(figures: Dict[str, Any]) -> None:
+            if persisted:  # the memory commit reports before the persisted copy made the root
+                self.storage.prepare()
             self._append({**figures, "step": int(step), "op": "save"})
 
-        if self.tier is None:
-            return self.checkpointer.save(self.path(step), state, step=int(step), on_commit=committed,
-                                          on_summary=history, **options)
-        durable = self.persist_every is not None and int(step) % self.persist_every == 0
-        if int(step) % self.memory_every and not durable:
-            return None
-
-        def persisted_history(figures: Dict[str, Any]) -> None:
-            self.storage.prepare()  # the memory commit reports before the persisted copy made the root
-            history(figures)
-
-        wait = not options.pop("async_", True)  # the run's history gets the persisted steps
-        handle = self.tier.save(step, state, persist_to=storage_for(self.path(step)) if durable else None,
-                                on_commit=committed if durable else None,
-                                on_summary=persisted_history if durable else None, **options)
-        return handle.wait() if wait else handle
+        return SaveHooks(on_commit=committed, on_summary=history)
 
     def load(self, state: Dict[str, Any], step: Optional[int] = None, **options):
         """Load `step` (default: latest) into `state`. With the memory tier, every rank calls it

@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import json
 import math
-from typing import Any, Tuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,9 +27,14 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def encode_object(value: Any) -> Tuple[str, bytes]:
+class Encoded(NamedTuple):
+    encoding: str  # "json" or "torch"
+    data: bytes
+
+
+def encode_object(value: Any) -> Encoded:
     if _plain(value):
-        return "json", json.dumps(value, separators=(",", ":")).encode()
+        return Encoded("json", json.dumps(value, separators=(",", ":")).encode())
     buf = io.BytesIO()
     torch.save(value, buf)
     data = buf.getvalue()
@@ -38,7 +43,7 @@ def encode_object(value: Any) -> Tuple[str, bytes]:
     except Exception as exc:
         raise TypeError(f"{type(value).__name__} is neither JSON data nor tensors/containers that "
                         f"torch.load(weights_only=True) accepts: {exc}") from None
-    return "torch", data
+    return Encoded("torch", data)
 
 
 def decode_object(key: str, encoding: str, data: bytes) -> Any:

@@ -12,7 +12,7 @@ import math
 import operator
 import pickle
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .errors import LoadMismatchError
 from .gcpause import gc_paused
@@ -68,16 +68,21 @@ PAGE_ITEM_BYTES = DIRECT_MIN  # items this big start page aligned: loads read th
 SPLIT_BYTES = 16 << 20  # replicated boxes are split into row ranges of at least this many bytes
 
 
-def place(sizes: Sequence[int], names: Sequence[str]) -> Tuple[List[Tuple[str, int]], Dict[str, int]]:
+class Placement(NamedTuple):
+    file: str
+    offset: int
+
+
+def place(sizes: Sequence[int], names: Sequence[str]) -> Tuple[List[Placement], Dict[str, int]]:
     """Spread items over files, biggest first onto the least-filled; fixes every byte offset."""
     heap = [(0, i) for i in range(len(names))]
-    placed: List[Tuple[str, int]] = [("", 0)] * len(sizes)
+    placed: List[Placement] = [Placement("", 0)] * len(sizes)
     used: Dict[str, int] = {}
     for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         fill, f = heapq.heappop(heap)
         align = PAGE if sizes[index] >= PAGE_ITEM_BYTES else ITEM_ALIGN
         start = -(-fill // align) * align
-        placed[index] = (names[f], start)
+        placed[index] = Placement(names[f], start)
         used[names[f]] = start + sizes[index]
         heapq.heappush(heap, (start + sizes[index], f))
     return placed, used
@@ -87,36 +92,80 @@ def data_file_names(rank: int, count: int) -> List[str]:
     return [f"{DATA_DIR}/r{rank}-{i}.bin" for i in range(count)]
 
 
-def runs_of(keys: Sequence[str], items: Sequence) -> List[Tuple[bytes, int]]:
-    """`items` (a rank's specs or read requests, `keys` their tensor keys) as (digest, count) runs
-    of one top-level key (`model/`, `optim/`, ...). A run several ranks hold alike (the weights of
+class Run(NamedTuple):
+    """`count` consecutive specs or read requests of one rank under one top-level key (`model/`,
+    `optim/`, ...), by a digest of their content: a run several ranks hold alike (the weights of
     data-parallel replicas, whose optimizer shards differ) is planned once."""
-    out: List[Tuple[bytes, int]] = []
+    digest: bytes
+    count: int
+
+
+def runs_of(keys: Sequence[str], items: Sequence) -> List[Run]:
+    """`items` (a rank's specs or read requests, `keys` their tensor keys) as runs."""
+    out: List[Run] = []
     start = 0
     for i in range(1, len(items) + 1):
         if i == len(items) or keys[i].split("/", 1)[0] != keys[start].split("/", 1)[0]:
-            out.append((hashlib.sha256(pickle.dumps(list(items[start:i]))).digest(), i - start))
+            out.append(Run(hashlib.sha256(pickle.dumps(list(items[start:i]))).digest(), i - start))
             start = i
     return out
 
 
-def spec_runs(specs: Sequence[TensorSpec]) -> List[Tuple[bytes, int]]:
+def spec_runs(specs: Sequence[TensorSpec]) -> List[Run]:
     return runs_of([s.key for s in specs], specs)
 
 
-def _runs(items: Sequence, digest) -> List[Tuple[object, int, int]]:
-    """(identity, start, end) of the runs a rank's specs or read requests are planned in."""
+class _Span(NamedTuple):
+    """Items [start, end) of a rank's list, planned as the run `ident` (equal idents: equal items)."""
+    ident: object
+    start: int
+    end: int
+
+
+def _spans(items: Sequence, digest) -> List[_Span]:
+    """The spans a rank's specs or read requests are planned in: one per run (`digest` a list of
+    runs), the whole list (one digest), or the list itself (None: no digests)."""
     if digest is None:
-        return [(tuple(items), 0, len(items))]
+        return [_Span(tuple(items), 0, len(items))]
     if isinstance(digest, bytes):
-        return [(digest, 0, len(items))]
+        return [_Span(digest, 0, len(items))]
     out, at = [], 0
     for d, n in digest:
-        out.append((d, at, at + n))
+        out.append(_Span(d, at, at + n))
         at += n
     if at != len(items):
         raise ValueError(f"run digests cover {at} of {len(items)} items")
     return out
+
+
+class _Holding(NamedTuple):
+    """A distinct box as one run holds it: the run's start in each holding rank's list, and the
+    box's index in the run."""
+    starts: Dict[int, int]
+    index: int
+
+
+class _Box:
+    """A distinct stored box: its bytes and the runs holding it."""
+    __slots__ = ("nbytes", "holdings")
+
+    def __init__(self, nbytes: int, holding: _Holding):
+        self.nbytes, self.holdings = nbytes, [holding]
+
+
+class _Piece(NamedTuple):
+    """What one writer writes: a box, or a row range of a big replicated one (`parent`)."""
+    key: str
+    box: Box
+    nbytes: int
+    parent: Tuple[str, Box]
+    ranks: Tuple[int, ...]
+
+
+class _Assigned(NamedTuple):
+    index: int  # the spec's position in the writing rank's list
+    box: Box
+    nbytes: int
 
 
 @gc_paused
@@ -124,95 +173,121 @@ def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
               aliases: Optional[Dict[str, str]] = None, digests: Optional[Sequence] = None) -> SavePlan:
     """Build the global save plan from every rank's tensor specs (index = rank).
 
-    `digests[rank]`: the digest of the rank's whole spec list, or its `spec_runs`. Runs several
-    ranks hold alike (data-parallel replicas) are validated once; each distinct box goes to the
-    least-loaded rank holding it, biggest boxes first.
+    `digests[rank]`: the digest of the rank's whole spec list, or its `spec_runs`. Steps: the
+    distinct boxes (runs several ranks hold alike, such as data-parallel replicas, are validated
+    once), big replicated boxes cut into row ranges, each piece assigned to the least-loaded rank
+    holding it (biggest first), then placed in files.
     """
-    world = len(tensors)
     metas: Dict[str, TensorMeta] = {}
-    # the ranks holding each distinct run, and where it starts in each rank's list
-    starts_of: Dict[object, Dict[int, int]] = {}
-    first: Dict[object, Tuple[int, int, int]] = {}
+    boxes = _distinct_boxes(tensors, digests, metas)
+    assigned, load = _assign(_pieces(boxes), boxes, len(tensors))
+    return _place(tensors, assigned, load, metas, files_per_rank, aliases)
+
+
+def _distinct_boxes(tensors: Sequence[Sequence[TensorSpec]], digests: Optional[Sequence],
+                    metas: Dict[str, TensorMeta]) -> Dict[Tuple[str, Box], _Box]:
+    """Every distinct non-empty box, with the runs holding it; `metas` gets each tensor's shape
+    and dtype, checked to agree across ranks."""
+    starts_of: Dict[object, Dict[int, int]] = {}  # run -> where it starts in each holding rank's list
+    first: Dict[object, Tuple[int, _Span]] = {}  # run -> (the rank whose specs are checked, its span)
     for rank, specs in enumerate(tensors):
-        for ident, a, b in _runs(specs, digests[rank] if digests else None):
-            starts_of.setdefault(ident, {})[rank] = a
-            first.setdefault(ident, (rank, a, b))
-    # box -> [nbytes, [(the run's starts by rank, index in the run)]]
-    boxes: Dict[Tuple[str, Box], list] = {}
+        for span in _spans(specs, digests[rank] if digests else None):
+            starts_of.setdefault(span.ident, {})[rank] = span.start
+            first.setdefault(span.ident, (rank, span))
+    boxes: Dict[Tuple[str, Box], _Box] = {}
     itemsize: Dict[str, int] = {}
-    for ident, (leader, a, b) in first.items():
+    for ident, (leader, span) in first.items():
         starts = starts_of[ident]
         specs = tensors[leader]
-        for i in range(a, b):
+        for i in range(span.start, span.end):
             spec = specs[i]
-            meta = metas.get(spec.key)
-            if meta is None:
-                meta = metas[spec.key] = TensorMeta(spec.shape, spec.dtype)
-            elif meta.shape != spec.shape or meta.dtype != spec.dtype:
-                raise ValueError(f"{spec.key}: ranks disagree on the tensor: one holds shape "
-                                 f"{list(meta.shape)} {meta.dtype}, rank {leader} holds shape "
-                                 f"{list(spec.shape)} {spec.dtype}")
-            offsets, lengths = spec.offsets, spec.lengths
-            if len(offsets) != len(spec.shape) or len(lengths) != len(offsets) or not all(
-                    map(operator.le, map(operator.add, offsets, lengths), spec.shape)):
-                raise ValueError(f"{spec.key}: rank {leader}'s box {spec.box} lies outside shape "
-                                 f"{list(spec.shape)}")
-            count = math.prod(lengths)
+            _check_spec(spec, metas, leader)
+            count = math.prod(spec.lengths)
             if not count:
                 continue
-            box = (spec.key, (offsets, lengths))
+            box = (spec.key, (spec.offsets, spec.lengths))
             entry = boxes.get(box)
             if entry is None:
                 size = itemsize.get(spec.dtype)
                 if size is None:
                     size = itemsize[spec.dtype] = dtype_from_name(spec.dtype).itemsize
-                boxes[box] = [count * size, [(starts, i - a)]]
-            elif entry[1][-1][0] is not starts:  # the same box in another run (a rank holds it once)
-                entry[1].append((starts, i - a))
+                boxes[box] = _Box(count * size, _Holding(starts, i - span.start))
+            elif entry.holdings[-1].starts is not starts:  # the same box in another run (a rank holds it once)
+                entry.holdings.append(_Holding(starts, i - span.start))
+    return boxes
 
-    # Replicated boxes big enough are cut into row ranges so several holders write them in parallel.
+
+def _check_spec(spec: TensorSpec, metas: Dict[str, TensorMeta], rank: int) -> None:
+    meta = metas.get(spec.key)
+    if meta is None:
+        meta = metas[spec.key] = TensorMeta(spec.shape, spec.dtype)
+    elif meta.shape != spec.shape or meta.dtype != spec.dtype:
+        raise ValueError(f"{spec.key}: ranks disagree on the tensor: one holds shape {list(meta.shape)} "
+                         f"{meta.dtype}, rank {rank} holds shape {list(spec.shape)} {spec.dtype}")
+    offsets, lengths = spec.offsets, spec.lengths
+    if len(offsets) != len(spec.shape) or len(lengths) != len(offsets) or not all(
+            map(operator.le, map(operator.add, offsets, lengths), spec.shape)):
+        raise ValueError(f"{spec.key}: rank {rank}'s box {spec.box} lies outside shape {list(spec.shape)}")
+
+
+def _pieces(boxes: Dict[Tuple[str, Box], _Box]) -> List[_Piece]:
+    """The boxes as writers write them: replicated boxes big enough are cut into row ranges, so
+    several holders write them in parallel."""
     holder_sets: Dict[Tuple[int, ...], Tuple[int, ...]] = {}  # by the runs holding a box
-    pieces = []  # (key, piece box, nbytes, parent box, its holders)
-    for box, (nbytes, runs) in boxes.items():
-        by_runs = tuple(id(starts) for starts, _ in runs)
+    pieces: List[_Piece] = []
+    for box, entry in boxes.items():
+        nbytes, holdings = entry.nbytes, entry.holdings
+        by_runs = tuple(id(h.starts) for h in holdings)
         ranks = holder_sets.get(by_runs)
         if ranks is None:
-            ranks = holder_sets[by_runs] = tuple(r for starts, _ in runs for r in starts)
+            ranks = holder_sets[by_runs] = tuple(r for h in holdings for r in h.starts)
         key, (offs, lens) = box
         n = min(len(ranks), nbytes // SPLIT_BYTES, lens[0] if lens else 1)
         if n < 2:
-            pieces.append((key, box[1], nbytes, box, ranks))
+            pieces.append(_Piece(key, box[1], nbytes, box, ranks))
             continue
         row_bytes = nbytes // lens[0]
         for i in range(n):
             lo, hi = lens[0] * i // n, lens[0] * (i + 1) // n
-            pieces.append((key, ((offs[0] + lo,) + offs[1:], (hi - lo,) + lens[1:]), (hi - lo) * row_bytes, box, ranks))
+            pieces.append(_Piece(key, ((offs[0] + lo,) + offs[1:], (hi - lo,) + lens[1:]), (hi - lo) * row_bytes,
+                                 box, ranks))
+    return pieces
 
+
+def _assign(pieces: List[_Piece], boxes: Dict[Tuple[str, Box], _Box], world: int):
+    """Each piece to the least-loaded rank holding it, biggest first: (per rank, what it writes;
+    the bytes each rank writes)."""
     load = LeastLoaded(world)
-    assigned: List[List[Tuple[int, Box, int]]] = [[] for _ in range(world)]  # (spec index, box, nbytes)
-    for key, piece, nbytes, parent, ranks in sorted(pieces, key=lambda p: (-p[2], p[0], p[1])):
-        rank = load.pick(ranks)
-        index = next(starts[rank] + i for starts, i in boxes[parent][1] if rank in starts)
-        assigned[rank].append((index, piece, nbytes))
-        load.add(rank, nbytes)
+    assigned: List[List[_Assigned]] = [[] for _ in range(world)]
+    for piece in sorted(pieces, key=lambda p: (-p.nbytes, p.key, p.box)):
+        rank = load.pick(piece.ranks)
+        index = next(h.starts[rank] + h.index for h in boxes[piece.parent].holdings if rank in h.starts)
+        assigned[rank].append(_Assigned(index, piece.box, piece.nbytes))
+        load.add(rank, piece.nbytes)
+    return assigned, load
 
+
+def _place(tensors: Sequence[Sequence[TensorSpec]], assigned: List[List[_Assigned]], load: "LeastLoaded",
+           metas: Dict[str, TensorMeta], files_per_rank: int, aliases: Optional[Dict[str, str]]) -> SavePlan:
+    """Files and byte offsets of every rank's writes, and the metadata's stored boxes."""
     writes: List[List[WriteItem]] = []
     stored: List[List[StoredBox]] = []
     files: Dict[str, int] = {}
-    for rank in range(world):
-        placed, used = place([a[2] for a in assigned[rank]], data_file_names(rank, files_per_rank))
+    for rank, mine in enumerate(assigned):
+        placed, used = place([a.nbytes for a in mine], data_file_names(rank, files_per_rank))
         files.update(used)
-        writes.append([WriteItem(i, box, f, o) for (i, box, _), (f, o) in zip(assigned[rank], placed)])
+        writes.append([WriteItem(a.index, a.box, f, o) for a, (f, o) in zip(mine, placed)])
         entries = []
-        for (index, (offsets, lengths), nbytes), (f, o) in zip(assigned[rank], placed):
-            entry = StoredBox(file=f, offset=o, nbytes=nbytes, crc32c=[], offsets=offsets, lengths=lengths)
-            metas[tensors[rank][index].key].boxes.append(entry)
+        for a, (f, o) in zip(mine, placed):
+            offsets, lengths = a.box
+            entry = StoredBox(file=f, offset=o, nbytes=a.nbytes, crc32c=[], offsets=offsets, lengths=lengths)
+            metas[tensors[rank][a.index].key].boxes.append(entry)
             entries.append(entry)
         stored.append(entries)
     for meta in metas.values():
         meta.boxes.sort(key=lambda b: b.offsets)
     metadata = Metadata(tensors=dict(sorted(metas.items())), objects={}, files=dict(sorted(files.items())),
-                        aliases=dict(aliases or {}), world_size=world, chunk_bytes=CHUNK_BYTES)
+                        aliases=dict(aliases or {}), world_size=len(tensors), chunk_bytes=CHUNK_BYTES)
     return SavePlan(writes=writes, stored=stored, metadata=metadata, rank_bytes=load.load)
 
 
@@ -361,7 +436,24 @@ class Transfer:
     tag: int
 
 
-Request = Tuple[str, int, int, int, Tuple[Box, ...]]
+class StoredItem(NamedTuple):
+    """A stored box, by where it lies: what the read-once exchange keys its transfers by."""
+    file: str
+    offset: int
+
+
+class ReadRequest(NamedTuple):
+    """What a rank tells the others about one of its reads: the stored item, the byte range of it
+    the rank reads, and the regions it copies out (the layout of a payload another rank sends)."""
+    file: str
+    offset: int
+    start: int
+    end: int
+    regions: Tuple[Box, ...]
+
+    @property
+    def item(self) -> StoredItem:
+        return StoredItem(self.file, self.offset)
 
 
 def read_regions(read: ReadItem) -> Tuple[Box, ...]:
@@ -370,21 +462,35 @@ def read_regions(read: ReadItem) -> Tuple[Box, ...]:
     return tuple(dict.fromkeys(c.region for c in read.copies))
 
 
-def read_request(read: ReadItem) -> Request:
-    """What a rank tells the others about one of its reads: stored item, byte range, regions."""
-    return read.stored.file, read.stored.offset, read.start, read.end, read_regions(read)
+def read_request(read: ReadItem) -> ReadRequest:
+    return ReadRequest(read.stored.file, read.stored.offset, read.start, read.end, read_regions(read))
 
 
 @dataclass
 class Assignment:
     """The read-once assignment: `transfers` (all, or those one rank reads or needs), and how many
     shared items there are in all (the same on every rank)."""
-    transfers: Dict[Tuple[str, int], Transfer]
+    transfers: Dict[StoredItem, Transfer]
     shared: int
 
 
+class _Need(NamedTuple):
+    """Ranks that request a stored item alike (one run of theirs), the range and the regions."""
+    ranks: List[int]
+    start: int
+    end: int
+    regions: Tuple[Box, ...]
+
+
+class _Shared(NamedTuple):
+    """A stored item several ranks need (or one that cannot read it), and the union range read."""
+    start: int
+    end: int
+    item: StoredItem
+
+
 @gc_paused
-def assign_transfers(requests: Sequence[Sequence[Request]], digests: Optional[Sequence] = None,
+def assign_transfers(requests: Sequence[Sequence[ReadRequest]], digests: Optional[Sequence] = None,
                      rank: Optional[int] = None,
                      readers: Optional[Callable[[str], Optional[Sequence[int]]]] = None) -> Assignment:
     """Pick one reader for every stored item that several ranks read (pure; same on every rank).
@@ -396,52 +502,67 @@ def assign_transfers(requests: Sequence[Sequence[Request]], digests: Optional[Se
     `readers(file)`: the ranks that can read a file (None: all); an item no needer can read is
     read by one that can, which passes it on to every needer.
     """
-    groups: Dict[object, list] = {}  # run -> [ranks, leader, start, end]
-    for r, reqs in enumerate(requests):
-        for ident, a, b in _runs(reqs, digests[r] if digests else None):
-            group = groups.get(ident)
-            if group is None:
-                groups[ident] = [[r], r, a, b]
-            else:
-                group[0].append(r)
-    needs: Dict[Tuple[str, int], List[Tuple[List[int], int, int, Tuple[Box, ...]]]] = {}
-    for ranks, leader, a, b in groups.values():
-        for file, offset, start, end, regions in requests[leader][a:b]:
-            needs.setdefault((file, offset), []).append((ranks, start, end, regions))
+    needs = _needs(requests, digests)
+    able = _able(needs, readers)
     load = LeastLoaded(len(requests))
-    shared = []
-    able: Dict[str, Optional[Tuple[int, ...]]] = {}
-    if readers is not None:
-        for file, _ in needs:
-            if file not in able:
-                found = readers(file)
-                able[file] = None if found is None else tuple(sorted(found))
+    shared: List[_Shared] = []
     for item, users in needs.items():
-        if len(users) == 1 and len(users[0][0]) == 1 and (able.get(item[0]) is None or users[0][0][0] in able[item[0]]):
-            load.add(users[0][0][0], users[0][2] - users[0][1])
+        only = users[0].ranks[0] if len(users) == 1 and len(users[0].ranks) == 1 else None
+        if only is not None and (able.get(item.file) is None or only in able[item.file]):
+            load.add(only, users[0].end - users[0].start)
         else:
-            shared.append((min(u[1] for u in users), max(u[2] for u in users), item))
-    out: Dict[Tuple[str, int], Transfer] = {}
+            shared.append(_Shared(min(u.start for u in users), max(u.end for u in users), item))
+    out: Dict[StoredItem, Transfer] = {}
     needer_sets: Dict[Tuple[int, ...], Tuple[Tuple[int, ...], frozenset]] = {}  # by the runs needing an item
-    for tag, (start, end, item) in enumerate(sorted(shared, key=lambda x: (x[0] - x[1], x[2]))):
-        users = needs[item]
-        by_groups = tuple(id(u[0]) for u in users)
-        cached = needer_sets.get(by_groups)
+    for tag, s in enumerate(sorted(shared, key=lambda x: (x.start - x.end, x.item))):
+        users = needs[s.item]
+        by_runs = tuple(id(u.ranks) for u in users)
+        cached = needer_sets.get(by_runs)
         if cached is None:
-            needers = tuple(r for u in users for r in u[0])
-            cached = needer_sets[by_groups] = (needers, frozenset(needers) if rank is not None else frozenset())
+            needers = tuple(r for u in users for r in u.ranks)
+            cached = needer_sets[by_runs] = (needers, frozenset(needers) if rank is not None else frozenset())
         needers = cached[0]
-        can = able.get(item[0])
+        can = able.get(s.item.file)
         if can is not None:
             if not can:
-                raise LoadMismatchError(f"{item[0]} is needed but no rank of this job can read it")
+                raise LoadMismatchError(f"{s.item.file} is needed but no rank of this job can read it")
             reader = load.pick(tuple(r for r in needers if r in can) or can)
         else:
             reader = load.pick(needers)
-        load.add(reader, end - start)
+        load.add(reader, s.end - s.start)
         if rank is None or rank in cached[1] or rank == reader:
-            out[item] = Transfer(reader, needers, tuple(u[3] for u in users for _ in u[0]), start, end, tag)
+            out[s.item] = Transfer(reader, needers, tuple(u.regions for u in users for _ in u.ranks), s.start, s.end,
+                                   tag)
     return Assignment(out, len(shared))
+
+
+def _needs(requests: Sequence[Sequence[ReadRequest]], digests: Optional[Sequence]) -> Dict[StoredItem, List[_Need]]:
+    """Who needs each stored item, by the runs of requests ranks hold alike (each run read once)."""
+    groups: Dict[object, Tuple[List[int], int, _Span]] = {}  # run -> (ranks holding it, a holder, its span)
+    for r, reqs in enumerate(requests):
+        for span in _spans(reqs, digests[r] if digests else None):
+            group = groups.get(span.ident)
+            if group is None:
+                groups[span.ident] = ([r], r, span)
+            else:
+                group[0].append(r)
+    needs: Dict[StoredItem, List[_Need]] = {}
+    for ranks, leader, span in groups.values():
+        for file, offset, start, end, regions in requests[leader][span.start:span.end]:
+            needs.setdefault(StoredItem(file, offset), []).append(_Need(ranks, start, end, regions))
+    return needs
+
+
+def _able(needs: Dict[StoredItem, List[_Need]],
+          readers: Optional[Callable[[str], Optional[Sequence[int]]]]) -> Dict[str, Optional[Tuple[int, ...]]]:
+    """The ranks that can read each needed file (None: every rank)."""
+    able: Dict[str, Optional[Tuple[int, ...]]] = {}
+    if readers is not None:
+        for item in needs:
+            if item.file not in able:
+                found = readers(item.file)
+                able[item.file] = None if found is None else tuple(sorted(found))
+    return able
 
 
 class LeastLoaded:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import hashlib
 import pickle
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 from .coordinator import Coordinator
 from .errors import SaveError
 from .failure import RankFailure, failure_error
-from .plan import SavePlan, TensorSpec, WriteItem, plan_save, spec_runs
+from .plan import Run, SavePlan, TensorSpec, WriteItem, plan_save, spec_runs
 
 
 @dataclass
@@ -36,7 +36,7 @@ class PlanRequest:
     """What one rank tells the coordinator when some rank's cached plan is stale."""
     specs: List[TensorSpec]
     aliases: Dict[str, str]
-    runs: List[Tuple[bytes, int]]  # spec_runs(specs): runs DP replicas hold alike are planned once
+    runs: List[Run]  # spec_runs(specs): runs DP replicas hold alike are planned once
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One save, as an object that owns everything it takes for its whole life: its handle, target,
 plan, staging slot and (on the coordinating rank) the commit and its save lock.
 
-Steps: `prepare` (state -> fragments and objects, the lock, the plan; collective), `snapshot`
+Steps: `prepare` (state -> `Contents`, the lock, the plan; collective), `snapshot`
 (copy into a staging slot; what training waits for), `write_and_commit` (in the background: write
 the files, report to the coordinator, which commits; then every rank learns the outcome). Each
 step passes failures on rather than stopping halfway, so every rank reaches the next agreement
@@ -9,12 +9,13 @@ and raises the same error. The Checkpointer decides when each step runs (sync, a
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -25,11 +26,12 @@ from .engine.write import StagedWrite, StageItem
 from .errors import CheckpointError, SaveError
 from .failure import RankFailure, collect, failure_error
 from .format import DATA_DIR, Metadata, ObjectMeta
-from .fragment import sub_view
-from .objects import encode_object
-from .plan import place, specs_of
+from .fragment import Fragment, sub_view
+from .objects import Encoded, encode_object
+from .options import SaveHooks, SaveOptions
+from .plan import Placement, WriteItem, place, specs_of
 from .plan_cache import CachedPlan, PlanCache
-from .results import SaveHandle, SaveInfo
+from .results import SaveHandle
 from .staging import StagingPool, StagingSlot
 from .state import root_handler
 from .storage import Storage
@@ -38,12 +40,19 @@ from .telemetry import TELEMETRY_FILE, RankTelemetry, Recorder, backend_of, chec
 log = logging.getLogger("ckpt_plugins")
 
 
+class SavedObject(NamedTuple):
+    """An object of the state as this rank stores it (`rank` None: replicated, stored once)."""
+    key: str
+    encoded: Encoded
+    rank: Optional[int]
+
+
 @dataclass
 class WriteReport:
     """What one rank tells the coordinator after writing its files."""
     failure: Optional[RankFailure]
     checksums: List[List[int]] = field(default_factory=list)  # per tensor write item
-    objects: List[Tuple[str, ObjectMeta]] = field(default_factory=list)
+    objects: Dict[str, ObjectMeta] = field(default_factory=dict)
     sizes: Dict[str, int] = field(default_factory=dict)
     telemetry: Optional[RankTelemetry] = None  # this rank's phases so far (rides on the commit's gather)
 
@@ -56,17 +65,44 @@ class Outcome:
     committed: bool = False  # failures after the commit (the on_commit step) leave it committed
 
 
+@dataclass
+class Contents:
+    """One rank's part of a save as data: its fragments, the aliases of tied tensors, its encoded
+    objects and where they go in its objects file. Collected in the caller's thread, the only one
+    that may read a framework's state."""
+    fragments: List[Fragment] = field(default_factory=list)
+    aliases: Dict[str, str] = field(default_factory=dict)
+    objects: List[SavedObject] = field(default_factory=list)
+    placed: List[Placement] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, state: Dict[str, Any], base, storage: Optional[Storage], coord: Coordinator) -> "Contents":
+        items = root_handler(state).save_items("")
+        if base is not None:
+            leave_to_base(items, base, storage)
+        mine = [(kv, None) for kv in items.objects.items()] if coord.is_coordinator else []
+        objects = [SavedObject(key, encode_object(value), rank)
+                   for (key, value), rank in mine + [(kv, coord.rank) for kv in items.per_rank.items()]]
+        placed, _ = place([len(o.encoded.data) for o in objects], [f"{DATA_DIR}/r{coord.rank}-objects.bin"])
+        return cls(items.fragments, items.aliases, objects, placed)
+
+    def staged(self, storage: Optional[Storage], writes: List[WriteItem]) -> StagedWrite:
+        """What this rank writes, as views of the live fragments and the encoded objects."""
+        frags = self.fragments
+        return StagedWrite(storage,
+                           [StageItem(w.file, w.offset, sub_view(frags[w.index].local, frags[w.index].offsets, w.box))
+                            for w in writes] +
+                           [StageItem(at.file, at.offset, o.encoded.data) for o, at in zip(self.objects, self.placed)])
+
+
 class Save:
     def __init__(self, storage: Storage, state: Dict[str, Any], coord: Coordinator, pool: StagingPool,
-                 cache: PlanCache, *, meta_extra: Dict[str, Any], overwrite: bool,
-                 on_commit: Optional[Callable[[], None]], mode: str = "sync", telemetry: bool = True,
-                 on_summary: Optional[Callable[[Dict[str, Any]], None]] = None, base=None,
-                 then: Optional[Callable[[Coordinator, "SaveInfo"], None]] = None):
+                 cache: PlanCache, options: SaveOptions, hooks: SaveHooks, *, mode: str, telemetry: bool = True):
         self.storage, self.state, self.coord, self.pool, self.cache = storage, state, coord, pool, cache
-        self.base, self.then = base, then
-        self.meta_extra, self.overwrite, self.on_commit, self.on_summary = meta_extra, overwrite, on_commit, on_summary
+        self.options, self.hooks = options, hooks
         self.handle = SaveHandle(str(storage))
         self.what = f"save to {storage}"
+        self.contents = Contents()
         self.commit: Optional[Commit] = None
         self.slot: Optional[StagingSlot] = None
         self.job: Optional[StagedWrite] = None
@@ -75,7 +111,7 @@ class Save:
         self.generation = 0  # the coordinator's choice of file names, agreed with the plan
         self._copy_over = threading.Event()  # the snapshot has stopped using the slot
         self.recorder = Recorder("save", backend_of(storage), coord.rank, enabled=telemetry)
-        self.recorder.record.info.update(mode=mode, path=str(storage), step=meta_extra.get("step"))
+        self.recorder.record.info.update(mode=mode, path=str(storage), step=options.step)
 
     # ------------------------------------------------------------ prepare (collective)
 
@@ -83,44 +119,31 @@ class Save:
         """Fragments, the lock and the plan. `copy_early`: copy with this rank's cached plan while
         the ranks agree that every cached plan still holds (an async save's stall then pays no
         agreement). Raises on every rank if any rank failed; nothing is then held."""
-        self.collect()
-        self.plan(copy_early)
-
-    def collect(self) -> None:
-        """This rank's fragments and encoded objects, and (on the coordinator) the save lock; in the
-        caller's thread, the only one that may read a framework's state. A failure is kept for
-        `plan` to pass on: every rank must learn of it, or the others would wait forever."""
         self._t0, coord = time.time(), self.coord
         coord.begin()
         self._collectives_before = coord.collectives
-        self.failure, self.fragments, self.aliases, self.objects = None, [], {}, []
-        try:
-            items = root_handler(self.state).save_items("")
-            if self.base is not None:
-                leave_to_base(items, self.base, self.storage)
-            self.fragments, self.aliases = items.fragments, items.aliases
-            mine = [(kv, None) for kv in items.objects.items()] if coord.is_coordinator else []
-            for (key, value), rank in mine + [(kv, coord.rank) for kv in items.per_rank.items()]:
-                self.objects.append((key, *encode_object(value), rank))
-            if coord.is_coordinator and self.storage is not None:
+        failure = None
+        try:  # a failure is passed on by the plan's agreement: every rank must learn of it
+            self.contents = Contents.of(self.state, self.options.base, self.storage, coord)
+            if coord.is_coordinator:
                 with self.recorder.phase("lock"):
-                    self.commit = Commit.open(self.storage, self.overwrite)
+                    self.commit = Commit.open(self.storage, self.options.overwrite)
         except Exception as exc:
-            self.failure = RankFailure.of(coord.rank, exc)
-        self.placed, _ = place([len(o[2]) for o in self.objects], [f"{DATA_DIR}/r{coord.rank}-objects.bin"])
+            failure = RankFailure.of(coord.rank, exc)
+        self._plan(failure, copy_early)
 
-    def plan(self, copy_early: bool) -> None:
+    def _plan(self, failure: Optional[RankFailure], copy_early: bool) -> None:
         """Agree on the plan (collective; cached while the fragments' structure holds)."""
-        info, coord = self.handle.info, self.coord
+        info, coord, contents = self.handle.info, self.coord, self.contents
 
         def early(cached: CachedPlan) -> None:
-            self.job = self._staged(cached)
+            self.job = contents.staged(self.storage, cached.writes)
             self._copy()
 
         try:
-            agreed = self.cache.plan(coord, specs_of(self.fragments), self.aliases, self.failure, self.what,
+            agreed = self.cache.plan(coord, specs_of(contents.fragments), contents.aliases, failure, self.what,
                                      generation=self.commit.generation if self.commit is not None else 0,
-                                     meanwhile=early if copy_early else None)
+                                     target=str(self.storage), meanwhile=early if copy_early else None)
             self.cached, info.plan_cached, self.generation = agreed.plan, agreed.cached, agreed.generation
         except CheckpointError as exc:  # every failed save is a SaveError (a lost rank's PeerLost inside)
             self.release()
@@ -133,7 +156,7 @@ class Save:
         self._copied_early = self.job is not None and info.plan_cached
         if not self._copied_early:
             self._release_slot()  # copied for a plan another rank's change made stale: copy again
-            self.job = self._staged(self.cached)
+            self.job = contents.staged(self.storage, self.cached.writes)
         self.job.stored_as = functools.partial(generation_file, generation=self.generation)
         info.rank_bytes, info.balance = sum(item.nbytes for item in self.job.items), self.cached.balance
         info.collectives = coord.collectives - self._collectives_before
@@ -141,13 +164,6 @@ class Save:
         copying = self.recorder.record.phase("snapshot") if self._copied_early else None
         self.recorder.add("plan", self._t0, end, busy=end - self._t0 - (copying.wall if copying else 0.0),
                           cached=info.plan_cached)
-
-    def _staged(self, cached: CachedPlan) -> StagedWrite:
-        frags = self.fragments
-        return StagedWrite(self.storage,
-                           [StageItem(w.file, w.offset, sub_view(frags[w.index].local, frags[w.index].offsets, w.box))
-                            for w in cached.writes] +
-                           [StageItem(f, off, o[2]) for o, (f, off) in zip(self.objects, self.placed)])
 
     # ------------------------------------------------------------ snapshot (training waits)
 
@@ -179,41 +195,13 @@ class Save:
         """Write this rank's files as the snapshot progresses, then agree on the outcome over
         `bg`; the coordinator commits when every rank succeeded. Releases everything the save
         holds, whatever happens."""
-        info, job, recorder = self.handle.info, self.job, self.recorder
         error: Optional[BaseException] = None
         try:
             bg.begin()
-            try:
-                checksums = job.write(threads, recorder)
-                n = len(self.cached.writes)
-                report = WriteReport(None, checksums[:n], [
-                    (key, ObjectMeta(file=f, offset=off, nbytes=len(data), crc32c=crc, encoding=enc, rank=rank))
-                    for (key, enc, data, rank), (f, off), crc in zip(self.objects, self.placed, checksums[n:])],
-                    job.sizes)
-                info.files = {job.stored_as(name): size for name, size in job.sizes.items()}
-            except Exception as exc:
-                files = ", ".join(sorted(job.sizes)) or "nothing"
-                report = WriteReport(RankFailure(bg.rank, type(exc).__name__, f"{exc} (writing {files})"))
-            finally:
-                self._copy_over.wait()  # the snapshot has taken its slot (or failed) and stopped copying
-                self._release_slot()
-            t = time.time()
-            report.telemetry = recorder.finish()
-            reports = bg.gather(report)
-            outcome = self._commit(reports, t) if bg.is_coordinator else None
-            outcome = bg.broadcast(outcome)
-            if not bg.is_coordinator:  # the coordinator's wait was recorded before it kept the telemetry
-                recorder.add("commit_wait", t, time.time())
-            info.total_bytes = outcome.total_bytes
-            info.telemetry = recorder.finish()
-            info.ranks = [r.telemetry for r in reports] if bg.is_coordinator else [info.telemetry]
-            info.timings.update({p.name: p.wall for p in info.telemetry.phases})
-            if outcome.failures:
-                then = ("It is committed, but the step after the commit failed" if outcome.committed else
-                        "Nothing was committed; the previous checkpoint is still the latest")
-                raise failure_error(outcome.failures, self.what, then, SaveError)
-            if self.then is not None:
-                self.then(bg, info)
+            report = self._write(bg, threads)
+            self._agree(bg, report)
+            if self.hooks.then is not None:
+                self.hooks.then(bg, self.handle.info)
         except BaseException as exc:
             error = exc if isinstance(exc, SaveError) else SaveError(f"{self.what} failed: {exc}")
         finally:
@@ -223,6 +211,44 @@ class Save:
         else:
             self.handle.fail(error)
             log.error("%s", error)
+
+    def _write(self, bg: Coordinator, threads: int) -> WriteReport:
+        """Write this rank's files; what it tells the coordinator (a failure too)."""
+        job, info = self.job, self.handle.info
+        try:
+            checksums = job.write(threads, self.recorder)
+            n = len(self.cached.writes)
+            info.files = {job.stored_as(name): size for name, size in job.sizes.items()}
+            return WriteReport(None, checksums[:n], {
+                key: ObjectMeta(file=f, offset=off, nbytes=len(data), crc32c=crc, encoding=enc, rank=rank)
+                for (key, (enc, data), rank), (f, off), crc in zip(self.contents.objects, self.contents.placed,
+                                                                   checksums[n:])}, job.sizes)
+        except Exception as exc:
+            failure = RankFailure.of(bg.rank, exc)
+            files = ", ".join(sorted(job.sizes)) or "nothing"
+            return WriteReport(dataclasses.replace(failure, message=f"{failure.message} (writing {files})"))
+        finally:
+            self._copy_over.wait()  # the snapshot has taken its slot (or failed) and stopped copying
+            self._release_slot()
+
+    def _agree(self, bg: Coordinator, report: WriteReport) -> None:
+        """Every rank's report to the coordinator, which commits; its outcome to every rank (raised
+        as one SaveError on each when any rank failed)."""
+        info, recorder = self.handle.info, self.recorder
+        t = time.time()
+        report.telemetry = recorder.finish()
+        reports = bg.gather(report)
+        outcome = bg.broadcast(self._commit(reports, t) if bg.is_coordinator else None)
+        if not bg.is_coordinator:  # the coordinator's wait was recorded before it kept the telemetry
+            recorder.add("commit_wait", t, time.time())
+        info.total_bytes = outcome.total_bytes
+        info.telemetry = recorder.finish()
+        info.ranks = [r.telemetry for r in reports] if bg.is_coordinator else [info.telemetry]
+        info.timings.update({p.name: p.wall for p in info.telemetry.phases})
+        if outcome.failures:
+            then = ("It is committed, but the step after the commit failed" if outcome.committed else
+                    "Nothing was committed; the previous checkpoint is still the latest")
+            raise failure_error(outcome.failures, self.what, then, SaveError)
 
     def _commit(self, reports: List[WriteReport], waited_since: float) -> Outcome:
         """On the coordinator: write the metadata if every rank succeeded; then the telemetry of
@@ -238,13 +264,13 @@ class Save:
             for rank, report in enumerate(reports):
                 for entry, crc in zip(plan.stored[rank], report.checksums):
                     entry.crc32c = crc
-                for key, entry in report.objects:
+                for key, entry in report.objects.items():
                     objects.setdefault(key, []).append(entry)
                 files.update(report.sizes)
             metadata = Metadata(tensors=plan.metadata.tensors, objects=dict(sorted(objects.items())),
                                 files=dict(sorted(files.items())), aliases=plan.metadata.aliases,
                                 world_size=plan.metadata.world_size, chunk_bytes=plan.metadata.chunk_bytes,
-                                **self.meta_extra)
+                                **self.options.recorded)
             with self.recorder.phase("metadata_write"):
                 self.commit.commit(metadata)
         except Exception as exc:
@@ -252,9 +278,9 @@ class Save:
         self.recorder.add("commit_wait", waited_since, time.time())
         reports[0].telemetry = self.recorder.finish()
         self._keep_telemetry([r.telemetry for r in reports], metadata.total_bytes)
-        if self.on_commit is not None:
+        if self.hooks.on_commit is not None:
             try:
-                self.on_commit()
+                self.hooks.on_commit()
             except Exception as exc:
                 return Outcome([RankFailure.of(self.coord.rank, exc)], committed=True)
         return Outcome([], metadata.total_bytes, committed=True)
@@ -267,9 +293,9 @@ class Save:
         figures = summary(ranks, total_bytes)
         try:
             self.storage.put_atomic(TELEMETRY_FILE, checkpoint_file(
-                ranks, "save", str(self.storage), self.meta_extra.get("step"), {"summary": figures}))
-            if self.on_summary is not None:
-                self.on_summary(figures)
+                ranks, "save", str(self.storage), self.options.step, {"summary": figures}))
+            if self.hooks.on_summary is not None:
+                self.hooks.on_summary(figures)
         except Exception as exc:
             log.warning("%s: the save committed, but its telemetry could not be kept: %s: %s",
                         self.storage, type(exc).__name__, exc)

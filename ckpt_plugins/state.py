@@ -8,7 +8,6 @@ Framework extensions add their own `Handler` subclasses and pass them as state v
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections import OrderedDict
 from abc import ABC, abstractmethod
@@ -19,11 +18,10 @@ import torch
 from torch import nn
 
 from .errors import LoadMismatchError
-from .families.peft import config_key
 from .format import Metadata
 from .fragment import FlatPiece, Fragment
 from .hostmem import fresh_empty
-from .tensor_map import IDENTITY, TensorMap, is_dtensor, is_peft_model, tensor_fragments, tensor_map
+from .tensor_map import IDENTITY, TensorMap, is_dtensor, model_mapping, tensor_fragments
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +149,8 @@ class ModuleHandler(Handler):
 
     def __init__(self, module: nn.Module):
         self.module = unwrap(module)
-        self.map = tensor_map(self.module)
+        self.mapping = model_mapping(self.module)
+        self.map = self.mapping.tensors
 
     def named_tensors(self) -> Dict[str, torch.Tensor]:
         return {canonical_name(k): v for k, v in self.module.state_dict().items()}
@@ -178,14 +177,14 @@ class ModuleHandler(Handler):
 
     def save_items(self, prefix: str) -> SaveItems:
         own, aliases = self._split_tied(prefix, self.named_tensors())
-        return SaveItems(fragments=self._fragments(prefix, own), aliases=aliases, objects=adapter_configs(self.module, prefix),
+        return SaveItems(fragments=self._fragments(prefix, own), aliases=aliases, objects=self.mapping.objects(prefix),
                          frozen=frozen_keys(self.module, self.map, prefix))
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         named, finish = self._load_targets(prefix, metadata)
         own, aliases = self._split_tied(prefix, named)
         return LoadItems(fragments=add_master_sources(prefix, self._fragments(prefix, own)), finish=finish,
-                         accepted=set(aliases) | set(adapter_configs(self.module, prefix)))
+                         accepted=set(aliases) | set(self.mapping.objects(prefix)))
 
     def _load_targets(self, prefix: str, metadata: Metadata):
         """(canonical name -> the tensor a load fills, steps after the data has landed): the live
@@ -258,23 +257,13 @@ def _staging(live: torch.Tensor, stored) -> torch.Tensor:
     return torch.empty(shape, dtype=live.dtype, device=live.device)
 
 
-def adapter_configs(module: nn.Module, prefix: str) -> Dict[str, str]:
-    """A PEFT model's adapter configs (JSON, as PEFT writes `adapter_config.json`), by stored key;
-    what `bcp export --format peft` and `--merge-adapters` need. A load keeps the live model's own."""
-    if not is_peft_model(module):
-        return {}
-    out = {}
-    for name, config in module.peft_config.items():
-        values = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
-        out[f"{prefix}/{config_key(name)}"] = json.dumps(values, default=str)
-    return out
-
-
-def frozen_keys(module: nn.Module, tmap: TensorMap, prefix: str) -> Set[str]:
+def frozen_keys(module: nn.Module, tmap: TensorMap, prefix: str,
+                shape_of: Callable[[torch.Tensor], Sequence[int]] = lambda p: p.shape) -> Set[str]:
     """The stored keys of `module`'s frozen parameters (any wrapper; a parameter whose global shape
-    is hidden, such as an FSDP1 flat parameter, counts as trainable)."""
+    is hidden, such as a flat parameter, counts as trainable). `shape_of(p)`: a parameter's global
+    shape, where a framework keeps it elsewhere."""
     return {f"{prefix}/{n}" for name, p in module.named_parameters() if not p.requires_grad
-            for n, _ in tmap.names(canonical_name(name), getattr(p, "ds_shape", p.shape))}
+            for n, _ in tmap.names(canonical_name(name), shape_of(p))}
 
 
 # ------------------------------------------------------------------ optimizers

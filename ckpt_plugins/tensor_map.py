@@ -1,24 +1,24 @@
 """A model's tensors as fragments of canonical tensors.
 
 Most tensors are stored under their own (canonical) name: a plain tensor whole, a DTensor as its
-local shard's box. Some are views onto tensors of other names: transformers' fused MoE experts
-(`families.hf_experts`) are stored as per-expert tensors, whichever way a framework shards them
-(a DTensor row block, an FSDP1 or ZeRO flat range). `TensorMap` says which, for one model, and cuts
-every tensor, shard or flat piece of it that way, so model weights, masters and optimizer moments
-of every framework follow one mapping.
+local shard's box. Some are views onto tensors of other names (a library's fused in-memory
+experts stored as the per-expert tensors its files name), whichever way a framework shards them (a
+DTensor row block, a flat range). `TensorMap` says which, for one model, and cuts every tensor,
+shard or flat piece of it that way, so model weights, masters and optimizer moments of every
+framework follow one mapping. Extensions provide the maps of their frameworks' models
+(`register_model_mapping`, or the `ckpt_plugins.model_mappings` entry point).
 """
 from __future__ import annotations
 
 import functools
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from importlib.metadata import entry_points
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .families.hf_experts import FUSED, expert_segments, segment_names
-from .families.peft import peft_segments
-from .families.segments import Segment, segment_fragments, within
+from .families.segments import Segment, segment_fragments, segment_names, within
 from .fragment import FlatPiece, Fragment, box_fragment, piece_fragments
 
 
@@ -121,18 +121,43 @@ class TensorMap:
 IDENTITY = TensorMap()
 
 
-def is_peft_model(module: Any) -> bool:
-    """A PEFT `PeftModel` (or a wrapper forwarding to one), by what it has rather than its class:
-    the core imports no framework."""
-    return hasattr(module, "peft_config") and hasattr(module, "get_base_model")
+def _no_objects(prefix: str) -> Dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class ModelMapping:
+    """What an extension knows about storing one model: its tensors' map, and the objects stored
+    beside them, by key under a prefix (an adapter's config, say)."""
+    tensors: TensorMap = IDENTITY
+    objects: Callable[[str], Dict[str, Any]] = _no_objects
+
+
+Provider = Callable[[Any], Optional[ModelMapping]]
+_PROVIDERS: List[Provider] = []
+_DISCOVERED: List[bool] = []
+ENTRY_POINTS = "ckpt_plugins.model_mappings"  # installed extensions' providers, found on first use
+
+
+def register_model_mapping(provider: Provider) -> None:
+    """Make `provider(module)` (a ModelMapping, or None for a model it does not know) consulted
+    for every model, newest first: how an extension stores the models of its framework."""
+    if provider not in _PROVIDERS:
+        _PROVIDERS.insert(0, provider)
+
+
+def model_mapping(module: Any) -> ModelMapping:
+    """How `module` is stored: the first registered provider's mapping, else its own names."""
+    if not _DISCOVERED:
+        _DISCOVERED.append(True)
+        for entry in entry_points(group=ENTRY_POINTS):
+            register_model_mapping(entry.load())
+    for provider in _PROVIDERS:
+        found = provider(module)
+        if found is not None:
+            return found
+    return ModelMapping()
 
 
 def tensor_map(module: Any) -> TensorMap:
-    """The map of a model: a PEFT model's base under the base model's names and its adapters under
-    theirs; transformers' MoE families by their config's `model_type`."""
-    peft = is_peft_model(module)
-    base = module.get_base_model() if peft else module
-    family = getattr(getattr(base, "config", None), "model_type", None)
-    if peft:
-        return TensorMap(functools.partial(peft_segments, family))
-    return TensorMap(functools.partial(expert_segments, family)) if family in FUSED else IDENTITY
+    return model_mapping(module).tensors

@@ -14,12 +14,9 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
-from ckpt_plugins.families.family import FAMILIES
-from ckpt_plugins.families.hf_experts import expert_segments
-from ckpt_plugins.families.segments import Segment, whole
-from ckpt_plugins.state import canonical_name
+from ckpt_plugins.ext import FAMILIES, Segment, canonical_name, whole
 
 _LAYER = re.compile(r"((?:.*\.)?layers\.\d+\.)mlp\.(.+)")
 _ROUTER = {"router.gate.weight": "gate.weight", "gate.gate.weight": "gate.weight",
@@ -35,15 +32,16 @@ class Placement:
 
 
 @functools.lru_cache(maxsize=None)
-def autoep_segments(family: Optional[str], placements: Tuple[Tuple[str, Placement], ...], name: str,
+def autoep_segments(family: Optional[str], placements: Tuple[Tuple[str, Placement], ...],
+                    others: Callable[[str, Tuple[int, ...]], Optional[Tuple[Segment, ...]]], name: str,
                     shape: Tuple[int, ...]) -> Optional[Tuple[Segment, ...]]:
     """The canonical tensors of AutoEP tensor `name` (local `shape`); `placements`: (layer prefix
-    such as `model.layers.3.`, its Placement) for every replaced layer. Other tensors: as
-    transformers' own layout maps them."""
+    such as `model.layers.3.`, its Placement) for every replaced layer. Other tensors: as `others`
+    (the model's own map) says."""
     match = _LAYER.fullmatch(name)
     placement = dict(placements).get(match.group(1)) if match else None
     if placement is None or family not in FAMILIES:
-        return expert_segments(family, name, shape)
+        return others(name, shape)
     fam = FAMILIES[family]
     block, rest = f"{match.group(1)}{fam.moe_block}.", match.group(2)
     projections = dict(zip(("experts.w1", "experts.w3", "experts.w2"), fam.experts))

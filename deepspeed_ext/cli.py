@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 def cmd_import(args) -> int:
-    from ckpt_plugins.cli import progress_bar
+    from ckpt_plugins.ext import progress_bar
 
     from .native import import_deepspeed
     progress = progress_bar(0, "import")

@@ -17,11 +17,8 @@ import shutil
 from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.committed import read_pointer
-from ckpt_plugins.format import DATA_DIR
-from ckpt_plugins.results import take_finished
-from ckpt_plugins.state import Handler, LoadItems, SaveItems
-from ckpt_plugins.storage import LocalStorage, storage_for
+from ckpt_plugins.ext import (DATA_DIR, Handler, LoadItems, LocalStorage, SaveHooks, SaveItems, read_pointer,
+                              storage_for, take_finished)
 
 from . import zero_to_fp32
 from .zero import DeepSpeedModel, DeepSpeedOptimizer, ZeroState
@@ -122,9 +119,9 @@ class Hooks:
         # as DeepSpeed's own save: ZeRO-3 releases gathered parameters before, gathers persistent ones after
         if engine._optimizer_has_ckpt_event_prologue():
             engine.optimizer.checkpoint_event_prologue()
-        result = self.checkpointer.save(path, self.state(client_state), async_=self.async_save, framework="deepspeed",
-                                        layout=layout(engine), step=int(engine.global_steps), overwrite=True,
-                                        on_commit=after_commit)
+        save = self.checkpointer.save_async if self.async_save else self.checkpointer.save
+        result = save(path, self.state(client_state), framework="deepspeed", layout=layout(engine),
+                      step=int(engine.global_steps), overwrite=True, hooks=SaveHooks(on_commit=after_commit))
         if engine._optimizer_has_ckpt_event_epilogue():
             engine.optimizer.checkpoint_event_epilogue()
         self.unlogged.append(result)

@@ -18,11 +18,9 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ckpt_plugins.errors import CorruptCheckpointError, NotACheckpointError
-from ckpt_plugins.foreign import StandIn, load_torch_inert
-from ckpt_plugins.fragment import flat_views
-from ckpt_plugins.offline import LazyFragment, write_checkpoint
-from ckpt_plugins.state import MASTER, MODEL, OPTIM, DictHandler, canonical_name
+from ckpt_plugins import CorruptCheckpointError, NotACheckpointError
+from ckpt_plugins.ext import (MASTER, MODEL, OPTIM, DictHandler, LazyFragment, StandIn, canonical_name, flat_views,
+                              load_torch_inert, write_checkpoint)
 
 # Top-level entries of DeepSpeed's model-states file; anything else is the user's client_state.
 DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",

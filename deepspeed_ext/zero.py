@@ -20,12 +20,9 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from ckpt_plugins.format import Metadata
-from ckpt_plugins.fragment import FlatPiece, Fragment
-from ckpt_plugins.state import (MASTER, MODEL, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
-                                SaveItems, adapter_configs, add_master_sources, canonical_name, flat_layout, frozen_keys,
-                                plain_layout)
-from ckpt_plugins.tensor_map import TensorMap, tensor_map
+from ckpt_plugins.ext import (MASTER, MODEL, FlatPiece, Fragment, Handler, Ignore, LoadItems, Metadata,
+                              OptimizerHandler, ParamLayout, SaveItems, TensorMap, add_master_sources, canonical_name,
+                              flat_layout, frozen_keys, model_mapping, plain_layout, tensor_map)
 
 from .autoep import autoep_segments, placements
 
@@ -33,10 +30,11 @@ from .autoep import autoep_segments, placements
 def model_map(module) -> TensorMap:
     """How the engine's model is stored: AutoEP's grouped experts and router under the family's
     per-expert names, else as the model's own map says."""
-    found = placements(module)
+    found, own = placements(module), tensor_map(module)
     if not found:
-        return tensor_map(module)
-    return TensorMap(functools.partial(autoep_segments, getattr(module.config, "model_type", None), found))
+        return own
+    return TensorMap(functools.partial(autoep_segments, getattr(module.config, "model_type", None), found,
+                                       own.segments))
 
 
 def _stage3_range(param) -> Tuple[int, int]:
@@ -170,8 +168,8 @@ class DeepSpeedModel(Handler):
         zero = ZeroState(self.engine)
         return SaveItems(fragments=zero.weight_fragments(prefix),
                          aliases={f"{prefix}/{a}": f"{prefix}/{t}" for a, t in zero.aliases.items()},
-                         objects=adapter_configs(self.engine.module, prefix),
-                         frozen=frozen_keys(self.engine.module, zero.map, prefix))
+                         objects=model_mapping(self.engine.module).objects(prefix),
+                         frozen=frozen_keys(self.engine.module, zero.map, prefix, lambda p: getattr(p, "ds_shape", p.shape)))
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         zero = ZeroState(self.engine)
@@ -179,7 +177,7 @@ class DeepSpeedModel(Handler):
         for frag in frags:  # low-precision weights are a rounding of the masters: any stored copy will do
             frag.cast = zero.low_precision
         return LoadItems(fragments=frags, accepted={f"{prefix}/{a}" for a in zero.aliases} |
-                         set(adapter_configs(self.engine.module, prefix)),
+                         set(model_mapping(self.engine.module).objects(prefix)),
                          finish=[lambda: _after_load(self.engine)])
 
 

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print("this checkpoint is a ckpt_plugins checkpoint; running: bcp " + " ".join(map(shlex.quote, command)))
-    from ckpt_plugins.cli import main as bcp
+    from ckpt_plugins.ext import bcp
     return bcp(command)
 
 

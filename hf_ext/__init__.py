@@ -2,12 +2,16 @@
 
 - FSDP1 models save and load from their flat shards (importing this package registers the
   handler); FSDP2 and DDP go through the core's DTensor and replicated handlers as they are.
+- `hf_ext.mapping`: how PEFT models and transformers' fused experts are stored (registered here,
+  and found by the core through an entry point in any job).
 - `hf_ext.trainer`: the Trainer integration; `hf_ext.accelerate`: save/load for accelerate loops;
   `hf_ext.safetensors_io`: export to and import from HF model directories.
 """
 import sys
 
-from ckpt_plugins.state import register_handler
+from ckpt_plugins.ext import register_handler, register_model_mapping
+
+from .mapping import model_mapping
 
 
 def _has_fsdp1_units(value) -> bool:
@@ -23,3 +27,4 @@ def _fsdp1_handler(value):
 
 
 register_handler(_has_fsdp1_units, _fsdp1_handler)
+register_model_mapping(model_mapping)

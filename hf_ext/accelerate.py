@@ -22,7 +22,7 @@ by accelerate's own code, and DeepSpeed runs keep accelerate's path (their engin
 through `deepspeed_ext` when its config says so).
 
 The module-level `save_state(accelerator, path)` / `load_state(accelerator, path)` do the same
-for one explicit path, with `extra` entries (a `cp.DataState`, say) and `async_`.
+for one explicit path, with `extra` entries (a `cp.DataState`, say), and `save_state_async`.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import shutil
 from typing import Any, Dict, List, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.results import take_finished
+from ckpt_plugins.ext import take_finished
 
 from .safetensors_io import HF_CONFIG
 
@@ -92,19 +92,37 @@ def warm_up(accelerator, extra: Optional[Dict[str, Any]] = None) -> None:
     cp.checkpointer().warm_up({**saved_state(accelerator), **(extra or {})})
 
 
-def save_state(accelerator, path, *, step=None, async_: bool = False, extra: Optional[Dict[str, Any]] = None,
-               models: Optional[list] = None, overwrite: bool = True, **options):
+def save_state(accelerator, path, *, step=None, extra: Optional[Dict[str, Any]] = None, models: Optional[list] = None,
+               overwrite: bool = True, **options) -> cp.SaveInfo:
     """Save what `accelerator` tracks to `path` (every process calls it), and the entries of
     `extra` (a `cp.DataState`, say: `extra={"data": data}`), replacing a checkpoint already there
-    as accelerate does. `async_=True` returns a handle once the snapshot is taken; call
-    `handle.wait()` before relying on the checkpoint.
+    as accelerate does; returns once committed.
 
     Each save's stall, time to commit, size and throughput go to the accelerator's trackers
     (`accelerator.log`, after `init_trackers`): a sync save's at once, an async one's at the
-    first save_state after it committed."""
-    result = cp.save(path, {**saved_state(accelerator, models), **(extra or {})}, step=step, async_=async_,
-                     framework="accelerate", layout={"num_processes": accelerator.num_processes},
-                     overwrite=overwrite, **options)
+    first save after it committed."""
+    return _logged(accelerator, cp.save(path, _saved(accelerator, extra, models), **_options(accelerator, step,
+                                                                                          overwrite, options)))
+
+
+def save_state_async(accelerator, path, *, step=None, extra: Optional[Dict[str, Any]] = None,
+                     models: Optional[list] = None, overwrite: bool = True, **options) -> cp.SaveHandle:
+    """`save_state` in the background: returns a handle once the snapshot is taken; call
+    `handle.wait()` before relying on the checkpoint."""
+    return _logged(accelerator, cp.save_async(path, _saved(accelerator, extra, models),
+                                              **_options(accelerator, step, overwrite, options)))
+
+
+def _saved(accelerator, extra, models) -> Dict[str, Any]:
+    return {**saved_state(accelerator, models), **(extra or {})}
+
+
+def _options(accelerator, step, overwrite: bool, options: Dict[str, Any]) -> Dict[str, Any]:
+    return dict(step=step, framework="accelerate", layout={"num_processes": accelerator.num_processes},
+                overwrite=overwrite, **options)
+
+
+def _logged(accelerator, result):
     unlogged = accelerator.__dict__.setdefault("_ckpt_plugins_unlogged", [])
     unlogged.append(result)
     for info in take_finished(unlogged):
@@ -201,7 +219,7 @@ def enable(accelerator, *, async_save: bool = False):
         path = _save_dir(accelerator, output_dir)
         os.makedirs(path, exist_ok=True)
         models = _handled_models(accelerator, accelerator._save_model_state_pre_hook, path)
-        save_state(accelerator, path, async_=async_save, models=models)
+        (save_state_async if async_save else save_state)(accelerator, path, models=models)
         accelerator.project_configuration.iteration += 1
         return path
 

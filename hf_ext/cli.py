@@ -21,8 +21,8 @@ def parse_size(text: str) -> int:
 
 
 def cmd_export(args) -> int:
-    from ckpt_plugins.cli import progress_bar
-    from ckpt_plugins.offline import open_checkpoint
+    from ckpt_plugins.ext import progress_bar
+    from ckpt_plugins.ext import open_checkpoint
 
     from .safetensors_io import export_hf, export_peft
     if args.format == "peft":
@@ -43,7 +43,7 @@ def cmd_export(args) -> int:
 def cmd_import_hf(args) -> int:
     import os
 
-    from ckpt_plugins.cli import progress_bar
+    from ckpt_plugins.ext import progress_bar
 
     from .safetensors_io import import_hf
     progress = progress_bar(sum(os.path.getsize(os.path.join(args.hf_dir, f)) for f in os.listdir(args.hf_dir)

@@ -15,11 +15,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from ckpt_plugins.format import Metadata
-from ckpt_plugins.fragment import FlatPiece, Fragment
-from ckpt_plugins.state import (Handler, LoadItems, ParamLayout, SaveItems, adapter_configs, add_master_sources,
-                                canonical_name, flat_layout, frozen_keys, plain_layout)
-from ckpt_plugins.tensor_map import TensorMap, tensor_map
+from ckpt_plugins.ext import (FlatPiece, Fragment, Handler, LoadItems, Metadata, ParamLayout, SaveItems, TensorMap,
+                              add_master_sources, canonical_name, flat_layout, frozen_keys, model_mapping,
+                              plain_layout, tensor_map)
 
 
 def _join(*parts: str) -> str:
@@ -112,7 +110,7 @@ class FSDP1ModuleHandler(Handler):
         return SaveItems(fragments=self._fragments(prefix),
                          aliases={f"{prefix}/{self.map.renamed(a)}": f"{prefix}/{self.map.renamed(t)}"
                                   for a, t in self.aliases.items()},
-                         objects=adapter_configs(self.module, prefix), frozen=frozen_keys(self.module, self.map, prefix))
+                         objects=model_mapping(self.module).objects(prefix), frozen=frozen_keys(self.module, self.map, prefix))
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         for handle in self.handles:  # an unsharded copy would hide the loaded shard until the next reshard
@@ -122,7 +120,7 @@ class FSDP1ModuleHandler(Handler):
                 handle.post_reshard()
         return LoadItems(fragments=add_master_sources(prefix, self._fragments(prefix)),
                          accepted={f"{prefix}/{self.map.renamed(a)}" for a in self.aliases} |
-                         set(adapter_configs(self.module, prefix)))
+                         set(model_mapping(self.module).objects(prefix)))
 
 
 def has_fsdp1_units(value) -> bool:

@@ -16,16 +16,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ckpt_plugins.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from ckpt_plugins.committed import read_object
-from ckpt_plugins.base_ref import BASE, reference, resolve
-from ckpt_plugins.families.hf_config import HF_CONFIG
-from ckpt_plugins.families.peft import ADAPTER, adapted_weight, config_key, file_name, from_file_name, is_adapter
-from ckpt_plugins.format import Metadata, dtype_from_name, dtype_name
-from ckpt_plugins.offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
-from ckpt_plugins.plan import TensorSpec, choose_source
-from ckpt_plugins.state import MODEL, master_key
-from ckpt_plugins.storage import AlignedStream, Storage, storage_for
+from ckpt_plugins import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from ckpt_plugins.ext import (BASE, HF_CONFIG, MODEL, AlignedStream, LazyFragment, Metadata, Storage, TensorSpec,
+                              choose_source, dtype_from_name, dtype_name, master_key, open_checkpoint, read_object,
+                              read_tensor, reference, resolve, storage_for, write_checkpoint)
+from .peft_names import ADAPTER, adapted_weight, config_key, file_name, from_file_name, is_adapter
 
 SAFE_NAME, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -56,12 +56,9 @@ from typing import Any, Dict, Optional
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.committed import read_object
-from ckpt_plugins.data.stream import Order
-from ckpt_plugins.failure import RankFailure
-from ckpt_plugins.storage import storage_for
-from ckpt_plugins.tensor_map import is_peft_model
+from ckpt_plugins.ext import Order, SaveHooks, read_object, storage_for
 
+from .mapping import is_peft_model
 from .safetensors_io import HF_CONFIG, write_model_files
 from .trainer_data import EpochSampler, TrainerData
 
@@ -135,10 +132,10 @@ class _Integration:
             return self.native["save_model"](output_dir, _internal_call)
         t = self.trainer
         output_dir = output_dir or t.args.output_dir
-        result = self.ckpt().save(output_dir, self.saved_state(), async_=self.async_save, framework="hf-trainer",
-                                  layout={"world_size": t.args.world_size}, step=t.state.global_step,
-                                  base=self.base(), overwrite=True,
-                                  then=_model_files(output_dir) if self.hf_weights else None)
+        save = self.ckpt().save_async if self.async_save else self.ckpt().save
+        result = save(output_dir, self.saved_state(), framework="hf-trainer", layout={"world_size": t.args.world_size},
+                      step=t.state.global_step, base=self.base(), overwrite=True,
+                      hooks=SaveHooks(then=_model_files(output_dir) if self.hf_weights else None))
         if self.async_save:
             self.pending = result
         else:
@@ -290,16 +287,13 @@ class _Integration:
 
 
 def _model_files(output_dir: str):
-    """A save's step after its commit (`Checkpointer.save(then=...)`): every rank writes its share of
+    """A save's step after its commit (`SaveHooks.then`): every rank writes its share of
     the model's HF files from the committed checkpoint; any rank's failure is the save's."""
     def then(coord, info) -> None:
-        failure = None
-        try:
-            write_model_files(output_dir, output_dir, rank=coord.rank, world=coord.world_size, config=False)
-        except Exception as exc:
-            failure = RankFailure.of(coord.rank, exc)
-        coord.agree(failure, what=f"writing the model's HF files into {output_dir}",
-                    then="The checkpoint is committed; from_pretrained cannot read the directory")
+        coord.agreed(lambda: write_model_files(output_dir, output_dir, rank=coord.rank, world=coord.world_size,
+                                               config=False),
+                     what=f"writing the model's HF files into {output_dir}",
+                     then="The checkpoint is committed; from_pretrained cannot read the directory")
     return then
 
 

@@ -15,10 +15,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from ckpt_plugins.data.position import load_position, position_items
-from ckpt_plugins.data.stream import Order, epoch_order
-from ckpt_plugins.format import Metadata
-from ckpt_plugins.state import Handler, LoadItems, SaveItems
+from ckpt_plugins.ext import Handler, LoadItems, Metadata, Order, SaveItems, epoch_order, load_position, position_items
 
 
 class EpochSampler(torch.utils.data.Sampler):

@@ -18,14 +18,10 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ckpt_plugins.families.hf_config import ModelConfig, hf_config
-from ckpt_plugins.families.megatron import (Dims, Ranks, canonical_segments, hybrid_pairs, megatron_family,
-                                            moe_layers)
-from ckpt_plugins.families.segments import Segment, segment_fragments, zero_padding
-from ckpt_plugins.format import Metadata
-from ckpt_plugins.fragment import Fragment
-from ckpt_plugins.state import (MASTER, MODEL, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
-                                SaveItems, add_master_sources)
+from ckpt_plugins.ext import (MASTER, MODEL, Dims, Fragment, Handler, Ignore, LoadItems, Metadata, ModelConfig,
+                              OptimizerHandler, ParamLayout, SaveItems, Segment, add_master_sources, hf_config,
+                              segment_fragments, zero_padding)
+from .family import OWN_NAMES, Ranks, canonical_segments, hybrid_pairs, megatron_family, moe_layers
 
 
 
@@ -42,7 +38,7 @@ def model_dims(gpt, vocab_size: Optional[int] = None, family: Optional[str] = No
     mla = bool(getattr(cfg, "multi_latent_attention", False))
     pattern = getattr(gpt, "hybrid_layer_pattern", None)
     if pattern is not None and hybrid_pairs(pattern) is None:
-        family = "megatron"
+        family = OWN_NAMES.name
     family = family or megatron_family(
         moe=bool(experts), mla=mla, qk_norm=bool(cfg.qk_layernorm), shared_experts=bool(shared),
         qkv_bias=bool(cfg.add_qkv_bias or cfg.add_bias_linear), shared_gate=bool(cfg.moe_shared_expert_gate))
@@ -266,7 +262,7 @@ def hf_config_json(model, vocab_size: Optional[int] = None, family: Optional[str
 
     gpt = unwrap_model(_chunks(model)[0])
     cfg, dims = gpt.config, model_dims(gpt, vocab_size, family)
-    if dims.family == "megatron":
+    if dims.family == OWN_NAMES.name:
         return None
     pattern = getattr(gpt, "hybrid_layer_pattern", None)
     moe = hybrid_pairs(pattern) if pattern is not None else moe_layers(cfg.moe_layer_freq, cfg.num_layers)

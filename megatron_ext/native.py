@@ -24,13 +24,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ckpt_plugins.errors import CorruptCheckpointError, NotACheckpointError, UnsafePathError
-from ckpt_plugins.families.hf_config import HF_CONFIG, ModelConfig, hf_config, model_config
-from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, megatron_family, moe_layers
-from ckpt_plugins.families.segments import segment_pieces
-from ckpt_plugins.foreign import StandIn, load_pickle_restricted, load_torch_inert
-from ckpt_plugins.offline import LazyFragment, write_checkpoint
-from ckpt_plugins.state import MASTER, MODEL, OPTIM, saved_groups
+from ckpt_plugins import CorruptCheckpointError, NotACheckpointError, UnsafePathError
+from ckpt_plugins.ext import (HF_CONFIG, MASTER, MODEL, OPTIM, Dims, LazyFragment, ModelConfig, StandIn, hf_config,
+                              load_pickle_restricted, load_torch_inert, model_config, saved_groups, segment_pieces,
+                              write_checkpoint)
+from .family import OWN_NAMES, Ranks, canonical_segments, megatron_family, moe_layers
 
 from .gpt import LAYOUT_KEYS
 from .training import checkpoint_dir, tracked_iteration
@@ -360,7 +358,7 @@ def import_megatron(directory: str, path, *, weights_only: bool = False, overwri
     objects: Dict[str, Any] = {"megatron/iteration": int(common.get("iteration", 0)),
                                "megatron/num_floating_point_operations_so_far":
                                    float(common.get("num_floating_point_operations_so_far", 0))}
-    if dims.family != "megatron":
+    if dims.family != OWN_NAMES.name:
         objects[HF_CONFIG] = json.dumps(hf_config(config), indent=2)
     has_optimizer = any(_BUCKET.fullmatch(k) for k in ck.tensors())
     if not weights_only and has_optimizer and not isinstance(args, StandIn):

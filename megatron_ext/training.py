@@ -29,13 +29,10 @@ import os
 from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.committed import read_pointer
-from ckpt_plugins.families.hf_config import HF_CONFIG
-from ckpt_plugins.families.family import FAMILIES
-from ckpt_plugins.results import take_finished
-from ckpt_plugins.state import Handler, LoadItems, SaveItems
-from ckpt_plugins.storage import storage_for
+from ckpt_plugins.ext import (FAMILIES, HF_CONFIG, Handler, LoadItems, SaveHooks, SaveItems, read_pointer, storage_for,
+                              take_finished)
 
+from .family import OWN_NAMES
 from .gpt import MegatronModel, MegatronOptimizer, hf_config_json
 
 log = logging.getLogger("megatron_ext")
@@ -48,7 +45,7 @@ def add_arguments(parser):
     group = parser.add_argument_group("ckpt_plugins")
     group.add_argument("--ckpt-backend", choices=["native", BACKEND], default="native",
                        help="'bytecheckpoint': save and load through ckpt_plugins (parallelism-agnostic, HF names)")
-    group.add_argument("--ckpt-hf-family", choices=sorted(FAMILIES), default=None,
+    group.add_argument("--ckpt-hf-family", choices=sorted(FAMILIES) + [OWN_NAMES.name], default=None,
                        help="the HF family whose tensor names the checkpoint uses (default: from the model's "
                             "config; a MoE model without q/k norms or shared experts is taken for Mixtral)")
     return parser
@@ -136,9 +133,9 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
     def write_tracker() -> None:  # only once the checkpoint is whole
         storage_for(args.save).put_atomic(TRACKER, str(iteration).encode())
 
-    result = cp.save(checkpoint_dir(args.save, iteration), state, async_=bool(getattr(args, "async_save", False)),
-                     framework="megatron", step=int(iteration), overwrite=True, on_commit=write_tracker,
-                     layout=_layout(args))
+    save = cp.save_async if getattr(args, "async_save", False) else cp.save
+    result = save(checkpoint_dir(args.save, iteration), state, framework="megatron", step=int(iteration),
+                  overwrite=True, layout=_layout(args), hooks=SaveHooks(on_commit=write_tracker))
     _logged(result)
     return result
 
@@ -149,7 +146,7 @@ def save_to_memory(iteration, model, optimizer, opt_param_scheduler, num_floatin
     from megatron.training import get_args
     args = get_args()
     state = saved_state(args, iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
-    handle = memory_tier(args).save(int(iteration), state, framework="megatron", layout=_layout(args))
+    handle = memory_tier(args).save_async(int(iteration), state, framework="megatron", layout=_layout(args))
     _logged(handle)
     return handle
 
@@ -159,7 +156,7 @@ _tiers: Dict[str, Any] = {}
 
 def memory_tier(args):
     """The run's memory tier (one per --save directory)."""
-    from ckpt_plugins.tier import MemoryTier
+    from ckpt_plugins.ext import MemoryTier
     if args.save not in _tiers:
         _tiers[args.save] = MemoryTier(cp.checkpointer(), args.save)
     return _tiers[args.save]
@@ -295,7 +292,7 @@ def checkpoint_run(load_dir: str, step: Optional[int] = None):
     """What Megatron's `_load_base_checkpoint(rank0=True)` gives `--use-checkpoint-args` for a
     ckpt_plugins checkpoint in `load_dir` (its saved arguments and iteration); None without one."""
     import argparse
-    from ckpt_plugins.committed import read_object
+    from ckpt_plugins.ext import read_object
     path = resolve(load_dir, step) if load_dir else None
     if path is None or not cp.is_checkpoint(path):
         return None

@@ -32,7 +32,7 @@ def assert_loads_as(path, expected):
 def test_async_save_snapshots_before_returning(tmp_path):
     model = make()
     before = values(model)
-    handle = cp.save(tmp_path / "a", {"model": model}, async_=True)
+    handle = cp.save_async(tmp_path / "a", {"model": model})
     assert isinstance(handle, cp.SaveHandle)
     with torch.no_grad():  # training mutates its tensors right away
         for p in model.parameters():
@@ -49,7 +49,7 @@ def test_overlapped_save_returns_before_the_snapshot(tmp_path, monkeypatch):
     monkeypatch.setattr(StagedWrite, "snapshot", lambda self, buf, **kw: (gate.wait(), original(self, buf, **kw)))
     model = make()
     before = values(model)
-    handle = cp.Checkpointer().save(tmp_path / "o", {"model": model}, overlap=True)
+    handle = cp.Checkpointer().save_async(tmp_path / "o", {"model": model}, overlap=True)
     assert not handle._snapshot.is_set()  # returned while the copy has not even started
     gate.set()
     handle.wait_snapshot()  # what the training loop calls before its next optimizer step
@@ -102,7 +102,7 @@ def test_saves_commit_in_order_and_staging_is_reused(tmp_path):
         with torch.no_grad():
             model[0].weight.fill_(float(i))
         expected.append(values(model))
-        handles.append(ckpt.save(tmp_path / f"s{i}", {"model": model}, async_=True, step=i))
+        handles.append(ckpt.save_async(tmp_path / f"s{i}", {"model": model}, step=i))
     handles[-1].wait()
     assert all(h.done() for h in handles)  # an earlier save never commits after a later one
     mtimes = [os.stat(tmp_path / f"s{i}" / "metadata.json").st_mtime_ns for i in range(4)]
@@ -121,7 +121,7 @@ def test_staging_cap(tmp_path):
         cp.Checkpointer(staging_cap_bytes=need // 2).save(tmp_path / "x", {"model": model})
     # room for one slot only: saves still work, one at a time, never above the cap
     ckpt = cp.Checkpointer(staging_cap_bytes=need + need // 2 + 8192)
-    handles = [ckpt.save(tmp_path / f"y{i}", {"model": model}, async_=True) for i in range(3)]
+    handles = [ckpt.save_async(tmp_path / f"y{i}", {"model": model}) for i in range(3)]
     for h in handles:
         h.wait()
     assert ckpt.pool.allocated_bytes <= ckpt.pool.cap_bytes
@@ -219,7 +219,7 @@ def speculation_worker(rank, world, root):
 
     def save(name, state, expected):
         events.clear()
-        handle = ckpt.save(f"{root}/{name}", state, async_=True)
+        handle = ckpt.save_async(f"{root}/{name}", state)
         with torch.no_grad():  # training goes on at once: the copy must already be whole
             for p in model.parameters():
                 p.add_(1.0)
@@ -258,7 +258,7 @@ class FailOnRank1(LocalStorage):
 def failure_worker(rank, world, root):
     model = make()
     storage = FailOnRank1(f"{root}/f") if rank == 1 else LocalStorage(f"{root}/f")
-    handle = cp.save(storage, {"model": model}, async_=True)
+    handle = cp.save_async(storage, {"model": model})
     start = time.monotonic()
     with pytest.raises(cp.SaveError, match=r"rank 1: OSError: .*Input/output error "
                                            r"\(writing data/r1-0.bin"):
@@ -279,7 +279,7 @@ def interleave_worker(rank, world, root):
     model = make()
     handles = []
     for step in range(3):
-        handles.append(cp.save(f"{root}/i{step}", {"model": model}, async_=True))
+        handles.append(cp.save_async(f"{root}/i{step}", {"model": model}))
         for _ in range(20):
             t = torch.ones(1000)
             dist.all_reduce(t)

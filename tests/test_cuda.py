@@ -39,7 +39,7 @@ def test_saves_of_cuda_tensors_stage_in_pinned_memory_and_load_anywhere(tmp_path
     model, opt = trained("cuda")
     expected = host_values(model, opt)
     ckpt = cp.Checkpointer()
-    handle = ckpt.save(tmp_path / "g", {"model": model, "optim": opt}, async_=mode == "async", overlap=mode == "overlap")
+    handle = ckpt.save_async(tmp_path / "g", {"model": model, "optim": opt}, overlap=mode == "overlap")
     handle.wait_snapshot()
     mutate(model)  # the next step runs on the GPU at once: the snapshot must already be whole
     handle.wait()

@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from ckpt_plugins.families.hf_config import ModelConfig, hf_config, model_config
-from ckpt_plugins.families.megatron import Dims, Ranks, canonical_segments, hybrid_pairs, megatron_family, moe_layers
+from ckpt_plugins.families.dims import Dims
+from megatron_ext.family import Ranks, canonical_segments, hybrid_pairs, megatron_family, moe_layers
 from ckpt_plugins.families.segments import segment_fragments
 
 DIMS = Dims(hidden=16, ffn=24, heads=8, groups=4, head_dim=2, vocab=50)

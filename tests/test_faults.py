@@ -97,10 +97,10 @@ def matrix_worker(rank, world, root, cases, shared_memory, out):
         error = None
         try:
             if case.phase in SAVE_PHASES:
-                done = manager.save(step, state(rank, world, step, armed)[0], async_=case.mode == "async",
-                                    overlap=case.mode == "overlap")
-                if case.mode != "sync":
-                    done.wait()
+                if case.mode == "sync":
+                    manager.save(step, state(rank, world, step, armed)[0])
+                else:
+                    manager.save_async(step, state(rank, world, step, armed)[0], overlap=case.mode == "overlap").wait()
             else:
                 manager.load(state(rank, world, 0, armed)[0])
         except cp.CheckpointError as exc:
@@ -174,10 +174,10 @@ def kill_worker(rank, world, root, case, shared_memory, out):
     t0 = time.time()
     try:
         if case.phase in SAVE_PHASES:
-            done = manager.save(2, state(rank, world, 2, armed)[0], async_=case.mode == "async",
-                                overlap=case.mode == "overlap")
-            if case.mode != "sync":
-                done.wait()
+            if case.mode == "sync":
+                manager.save(2, state(rank, world, 2, armed)[0])
+            else:
+                manager.save_async(2, state(rank, world, 2, armed)[0], overlap=case.mode == "overlap").wait()
         else:
             manager.load(state(rank, world, 0, armed)[0])
         outcome = dict(kind=None, message="no error")

@@ -127,11 +127,13 @@ def test_autoep_local_experts_are_boxes_of_the_per_expert_tensors(family, ep_siz
         placements = (("model.layers.1.", Placement(rank, ep_size, 4)),)
         w1, w2, w3 = repack_expert_weights(experts, spec, rank, ep_size)
         for name, local in (("w1", w1), ("w2", w2), ("w3", w3)):
-            segments = autoep_segments(family, placements, f"model.layers.1.mlp.experts.{name}", tuple(local.shape))
+            segments = autoep_segments(family, placements, tensor_map(model).segments,
+                                       f"model.layers.1.mlp.experts.{name}", tuple(local.shape))
             for frag in segment_fragments(segments, local.shape, local, lambda n: n):
                 assert frag.offsets == (0, 0) and torch.equal(frag.local, canonical[frag.key]), frag.key
                 seen.append(frag.key)
-        router = autoep_segments(family, placements, "model.layers.1.mlp.router.gate.weight", (4, 16))
+        router = autoep_segments(family, placements, tensor_map(model).segments, "model.layers.1.mlp.router.gate.weight",
+                                 (4, 16))
         block = "block_sparse_moe" if family == "mixtral" else "mlp"
         assert [s.name for s in router] == [f"model.layers.1.{block}.gate.weight"]
     assert sorted(seen) == sorted(canonical)

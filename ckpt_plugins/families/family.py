@@ -23,5 +23,4 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in (
     Family("mixtral", moe_block="block_sparse_moe", experts=("w1", "w3", "w2")),
     Family("qwen2_moe", shared="shared_expert", shared_gate="shared_expert_gate"),
     Family("deepseek_v3", shared="shared_experts", expert_bias="gate.e_score_correction_bias"),
-    Family("megatron"),  # no HF counterpart (a hybrid with Mamba layers): every layer keeps Megatron names
 )}

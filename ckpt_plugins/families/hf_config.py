@@ -1,8 +1,8 @@
 """The HF families' `config.json` ↔ a model's sizes (pure functions).
 
-A Megatron run describes its model with a TransformerConfig; its export needs the config.json
-`transformers` would have written, and an import of a checkpoint without run arguments needs the
-sizes back from one. `ModelConfig` is what both directions share.
+A framework describes its model with its own config; its export needs the config.json the HF
+library would have written, and an import of a checkpoint without run arguments needs the sizes
+back from one. `ModelConfig` is what both directions share.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, Tuple
 
 from .family import FAMILIES
-from .megatron import Dims
+from .dims import Dims
 
 # The object holding the model's HF config.json text, when a save knows it: exports write it out.
 HF_CONFIG = "hf_config"
@@ -59,7 +59,7 @@ def hf_config(m: ModelConfig) -> Dict[str, Any]:
     if m.dense_layers and (d.family == "mixtral" or (d.family == "deepseek_v3"
                                                       and m.dense_layers != tuple(range(len(m.dense_layers))))):
         raise ValueError(f"{d.family} has no dense MLP layers {list(m.dense_layers)} in its config.json "
-                         "(DeepSeek-V3: only leading ones); pass family='megatron' to keep Megatron names")
+                         "(DeepSeek-V3: only leading ones); keep the framework's own names instead")
     if d.family in ("qwen3_moe", "qwen2_moe"):
         out.update(num_experts=d.experts, num_experts_per_tok=m.topk, moe_intermediate_size=d.moe_ffn,
                    decoder_sparse_step=1, mlp_only_layers=list(m.dense_layers), norm_topk_prob=m.norm_topk)

@@ -92,3 +92,10 @@ def within(segments: Sequence[Segment], box: Box) -> List[Segment]:
         out.append(Segment(seg.name, seg.shape, (tuple(i - b for i, b in zip(inter[0], box[0])), inter[1]),
                            tuple(o + rel[a] for o, a in zip(seg.offsets, dims)), axes=seg.axes))
     return out
+
+
+def segment_names(segments: Optional[Tuple[Segment, ...]], name: str, shape) -> List[Tuple[str, Tuple[int, ...]]]:
+    """(canonical name, shape) of each tensor the segments name, in order; the tensor itself when none."""
+    if segments is None:
+        return [(name, tuple(shape))]
+    return list(dict.fromkeys((s.name, s.shape) for s in segments if s.name is not None))

@@ -18,15 +18,15 @@ from typing import Any, Callable, Dict, Optional
 from .. import shm
 from ..coordinator import Coordinator
 from ..errors import NotACheckpointError
-from ..failure import RankFailure
 from ..format import METADATA_FILE
-from ..results import LoadResult, SaveInfo
+from ..options import NO_HOOKS, SaveHooks
+from ..results import LoadResult, SaveHandle, SaveInfo
 from ..storage import Storage
 from .hostdir import HostDir
 from .layout import Choice, HostReport, Hosts, choose
 from .persist import persist
 from .replicate import replicate
-from .storage import TierStorage
+from .step_storage import TierStorage
 
 log = logging.getLogger("ckpt_plugins")
 
@@ -57,14 +57,13 @@ class MemoryTier:
         earlier run left in memory is dropped, or a later recovery could take its newer steps."""
         if self.hosts is None:
             what = "starting the memory tier"
-            hosts = Hosts(tuple(coord.agree(None, shm.host_key() or f"rank-{coord.rank}", what=what)))
-            failure = None
-            try:
+            hosts = Hosts(tuple(coord.agreed(lambda: shm.host_key() or f"rank-{coord.rank}", what=what)))
+
+            def drop_stale() -> None:  # nobody writes a step before its host dropped the stale ones
                 if fresh and hosts.leader(coord.rank):
                     self.host.drop(())
-            except Exception as exc:
-                failure = RankFailure.of(coord.rank, exc)
-            coord.agree(failure, what=what)  # nobody writes a step before its host dropped the stale ones
+
+            coord.agreed(drop_stale, what=what)
             if len(hosts.groups) == 1:
                 log.warning("memory tier: every rank is on one host, so there is no replica: memory "
                             "steps survive a restart of the job's processes, not the loss of the host")
@@ -73,37 +72,33 @@ class MemoryTier:
 
     # ------------------------------------------------------------ save
 
-    def save(self, step: int, state: Dict[str, Any], *, persist_to: Optional[Storage] = None,
-             overwrite: bool = False, on_commit: Optional[Callable[[], None]] = None, **options):
-        """Save `step` to memory (async: returns the SaveHandle once the snapshot is taken); with
-        `persist_to`, also to that storage, from the memory copy, before the handle is done."""
-        hosts = self._start(self.checkpointer._groups(), fresh=True)
+    def save_async(self, step: int, state: Dict[str, Any], *, persist_to: Optional[Storage] = None,
+                   overwrite: bool = False, hooks: SaveHooks = NO_HOOKS, **options) -> SaveHandle:
+        """Save `step` to memory; returns the SaveHandle once the snapshot is taken. With
+        `persist_to`, also to that storage, from the memory copy, before the handle is done (and
+        `hooks.on_commit` after that commit; `hooks.on_summary` gets the memory save's figures)."""
+        hosts = self._start(self.checkpointer.coordinator(), fresh=True)
         step = int(step)
 
         def then(bg: Coordinator, info: SaveInfo) -> None:
-            self._after_commit(bg, hosts, step, info, persist_to, overwrite, on_commit)
+            self._after_commit(bg, hosts, step, info, persist_to, overwrite, hooks.on_commit)
 
-        return self.checkpointer.save(self.host.storage(step), state, async_=True, step=step, overwrite=True,
-                                      then=then, **options)
+        return self.checkpointer.save_async(self.host.storage(step), state, step=step, overwrite=True,
+                                            hooks=SaveHooks(on_summary=hooks.on_summary, then=then), **options)
 
     def _after_commit(self, bg: Coordinator, hosts: Hosts, step: int, info: SaveInfo, persist_to, overwrite,
                       on_commit) -> None:
         what = f"replicating memory step {step}"
-        failure, metadata = None, None
-        try:
-            if bg.is_coordinator:
-                metadata = self.host.storage(step).read_bytes(METADATA_FILE)
-        except Exception as exc:
-            failure = RankFailure.of(bg.rank, exc)
-        gathered = bg.agree(failure, (info.files, metadata), what=what)
+        gathered = bg.agreed(lambda: (info.files, self.host.storage(step).read_bytes(METADATA_FILE)
+                                      if bg.is_coordinator else None), what=what)
         files, metadata = [g[0] for g in gathered], gathered[0][1]
-        failure = replicate(bg, hosts, files, self.host, step)
-        try:
-            if failure is None and hosts.leader(bg.rank) and not bg.is_coordinator:
+
+        def replicated() -> None:
+            replicate(bg, hosts, files, self.host, step)
+            if hosts.leader(bg.rank) and not bg.is_coordinator:
                 self.host.write_metadata(step, metadata)
-        except Exception as exc:
-            failure = RankFailure.of(bg.rank, exc)
-        bg.agree(failure, what=what, then="The previous memory step is kept")
+
+        bg.agreed(replicated, what=what, then="The previous memory step is kept")
         if hosts.leader(bg.rank):  # the new step is whole on every host: older ones can go
             try:
                 older = sorted(s for s in self.host.steps() if s <= step)  # newer ones: saves in flight
@@ -132,17 +127,13 @@ class MemoryTier:
         """Agree on the step to load (collective; logged on rank 0): `storage` reads it from memory,
         or it is durable step `step` (storage None). Raises NotACheckpointError when there is none.
         A framework's loader reads the metadata and loads from it, then calls `settle`."""
-        coord = self.checkpointer._groups()
+        coord = self.checkpointer.coordinator()
         t0 = time.time()
-        if self.checkpointer._last is not None:  # a memory save still replicating: its step must not be dropped
-            self.checkpointer._last.wait_quietly()
+        self.checkpointer.wait_idle()  # a memory save still replicating: its step must not be dropped
         hosts = self._start(coord, fresh=False)
-        failure, report = None, HostReport({}, durable)
-        try:
-            report.steps = {s: f for s, f in self.host.inventory().items() if step is None or s == int(step)}
-        except Exception as exc:
-            failure = RankFailure.of(coord.rank, exc)
-        reports = coord.agree(failure, report, what="memory-tier recovery", then="Nothing was loaded")
+        reports = coord.agreed(lambda: HostReport({s: f for s, f in self.host.inventory().items()
+                                                   if step is None or s == int(step)}, durable),
+                               what="memory-tier recovery", then="Nothing was loaded")
         choice = choose(hosts, reports, METADATA_FILE)
         if step is not None and choice.step != int(step):
             choice = Choice(int(step), "storage", why=choice.why)
@@ -162,24 +153,22 @@ class MemoryTier:
     def settle(self, found: Located) -> None:
         """After the load (collective): only the step loaded stays in memory, so the next saves'
         steps start clean."""
-        coord, failure = self.checkpointer._groups(), None
-        try:
+        coord = self.checkpointer.coordinator()
+
+        def drop_others() -> None:
             if self.hosts.leader(coord.rank):
                 self.host.drop([found.step] if found.source == "memory" else [])
-        except Exception as exc:
-            failure = RankFailure.of(coord.rank, exc)
-        coord.agree(failure, what="memory-tier recovery", then="The step was loaded")
+
+        coord.agreed(drop_others, what="memory-tier recovery", then="The step was loaded")
 
     def _storage(self, coord: Coordinator, choice: Choice) -> TierStorage:
         """The chosen step as this rank loads it; the metadata and object files go to every rank."""
-        failure, mine = None, {}
-        try:
+        def mine() -> Dict[str, bytes]:
             storage = self.host.storage(choice.step)
-            mine = {name: storage.read_bytes(name) for name, rank in choice.small.items() if rank == coord.rank}
-        except Exception as exc:
-            failure = RankFailure.of(coord.rank, exc)
+            return {name: storage.read_bytes(name) for name, rank in choice.small.items() if rank == coord.rank}
+
         small = {}
-        for part in coord.agree(failure, mine, what="memory-tier recovery", then="Nothing was loaded"):
+        for part in coord.agreed(mine, what="memory-tier recovery", then="Nothing was loaded"):
             small.update(part)
         return TierStorage(self.host.storage(choice.step), choice.sizes, choice.holders, small,
                            f"memory step {choice.step} ({self.host})")

@@ -10,7 +10,6 @@ from typing import Callable, Dict, Optional
 from ..commit import Commit, generation_file
 from ..coordinator import Coordinator
 from ..errors import SaveError
-from ..failure import RankFailure
 from ..format import decode_metadata
 from ..storage import Storage
 from ..hostmem import aligned_empty
@@ -26,38 +25,37 @@ def persist(coord: Coordinator, host: HostDir, step: int, files: Dict[str, int],
     is committed only when every file is there."""
     what = f"persisting memory step {step} to {target}"
     then = "Nothing was committed there; the step is still in memory"
-    t0, commit, failure = time.time(), None, None
-    try:
-        try:
-            if coord.is_coordinator:
-                commit = Commit.open(target, overwrite)
-        except Exception as exc:
-            failure = RankFailure.of(coord.rank, exc)
-        generation = max(coord.agree(failure, commit.generation if commit else 0, what=what, then=then,
-                                     default=SaveError))  # the lock is held: write, in the coordinator's generation
-        try:
-            buffer = aligned_empty(PIECE)  # page aligned: the writer can bypass the page cache
-            for name in sorted(files):
-                writer = target.open_writer(generation_file(name, generation))
-                try:
-                    for _, offset, n in pieces({name: files[name]}):
-                        host.read_piece(step, name, offset, buffer[:n])
-                        writer.write(buffer[:n].numpy())
-                finally:
-                    writer.close()
-        except Exception as exc:
-            failure = RankFailure.of(coord.rank, exc)
-        coord.agree(failure, what=what, then=then, default=SaveError)
-        if commit is not None:
+    t0, opened = time.time(), []
+
+    def lock() -> int:  # the coordinator's generation of file names
+        if coord.is_coordinator:
+            opened.append(Commit.open(target, overwrite))
+            return opened[0].generation
+        return 0
+
+    def write(generation: int) -> None:
+        buffer = aligned_empty(PIECE)  # page aligned: the writer can bypass the page cache
+        for name in sorted(files):
+            writer = target.open_writer(generation_file(name, generation))
             try:
-                commit.commit(decode_metadata(metadata))
-                if on_commit is not None:
-                    on_commit()
-            except Exception as exc:
-                failure = RankFailure.of(coord.rank, exc)
-        coord.agree(failure, what=what, default=SaveError)
+                for _, offset, n in pieces({name: files[name]}):
+                    host.read_piece(step, name, offset, buffer[:n])
+                    writer.write(buffer[:n].numpy())
+            finally:
+                writer.close()
+
+    def commit() -> None:
+        if opened:
+            opened[0].commit(decode_metadata(metadata))
+            if on_commit is not None:
+                on_commit()
+
+    try:
+        generation = max(coord.agreed(lock, what=what, then=then, default=SaveError))  # locked: write
+        coord.agreed(lambda: write(generation), what=what, then=then, default=SaveError)
+        coord.agreed(commit, what=what, default=SaveError)
     finally:
-        if commit is not None:
-            commit.close()
+        if opened:
+            opened[0].close()
     if coord.is_coordinator:
         log.info("persisted memory step %d to %s in %.2f s", step, target, time.time() - t0)

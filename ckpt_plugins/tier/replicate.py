@@ -14,18 +14,17 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..coordinator import Coordinator
-from ..failure import RankFailure
 from .hostdir import PIECE, HostDir, Landing, pieces
 from .layout import Hosts
 
 
 def replicate(coord: Coordinator, hosts: Hosts, files: Sequence[Dict[str, int]], host: HostDir,
-              step: int) -> Optional[RankFailure]:
+              step: int) -> None:
     """Send this rank's files (`files[rank]`: name -> size, every rank's) to its replica rank and
     receive those of the ranks it keeps replicas for. Every promised piece goes out even when this
-    rank's part failed (zeros, then), so no peer waits for one that never comes; the failure is
-    returned for the caller's agreement. A peer that is gone breaks the transfer at once
-    (PeerLost, raised)."""
+    rank's part failed (zeros, then), so no peer waits for one that never comes; this rank's
+    failure is raised only then, for the caller's agreement. A peer that is gone breaks the
+    transfer at once (PeerLost)."""
     rank, failed, broken = coord.rank, [], []
     target = hosts.replica_of(rank)
     sender = None
@@ -47,13 +46,14 @@ def replicate(coord: Coordinator, hosts: Hosts, files: Sequence[Dict[str, int]],
             for landing in landings if not failed else ():
                 try:
                     landing.keep()
-                except OSError as exc:  # this rank's failure, for the agreement: raising would strand the others
+                except OSError as exc:  # this rank's failure, raised once every landing is closed
                     failed.append(exc)
                     break
         finally:
             for landing in landings:  # those not kept: their partial files go
                 landing.close()
-    return RankFailure.of(rank, failed[0]) if failed else None
+    if failed:
+        raise failed[0]
 
 
 def _buffers() -> List[torch.Tensor]:

@@ -16,8 +16,8 @@ import time
 from typing import Callable, List, Optional, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from .errors import CorruptCheckpointError, UnsafePathError
-from .storage import Storage, Writer
+from ..errors import CorruptCheckpointError, UnsafePathError
+from .base import Storage, Writer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -21,30 +21,19 @@ import re
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from .family import FAMILIES, Family
-from .segments import Segment, Shape
+from ckpt_plugins.ext import FAMILIES, Dims, Family, Segment, Shape
+
+# A model with no HF counterpart (a hybrid with Mamba layers): every tensor keeps Megatron's name.
+OWN_NAMES = Family("megatron")
 
 
-@dataclass(frozen=True)
-class Dims:
-    """The global model's sizes (TransformerConfig and the real, unpadded vocabulary)."""
-    hidden: int
-    ffn: int
-    heads: int
-    groups: int  # query groups (= kv heads)
-    head_dim: int
-    vocab: int
-    tied: bool = False
-    gated: bool = True
-    family: str = "llama"
-    experts: int = 0      # routed experts (0: a dense model)
-    moe_ffn: int = 0      # a routed expert's intermediate size
-    shared_ffn: int = 0   # the shared experts' intermediate size
-    mla: bool = False     # multi-latent attention (its projections are plain TP splits)
-    mamba_heads: int = 0  # Mamba mixers: heads, head size, B/C groups, state size
-    mamba_head_dim: int = 0
-    mamba_groups: int = 0
-    mamba_state: int = 0
+def family_named(name: str) -> Family:
+    """The HF family `name`, or `OWN_NAMES` ("megatron")."""
+    if name == OWN_NAMES.name:
+        return OWN_NAMES
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; known: {', '.join(sorted(FAMILIES) + [OWN_NAMES.name])}")
+    return FAMILIES[name]
 
 
 @dataclass(frozen=True)
@@ -148,12 +137,10 @@ def canonical_segments(name: str, local_shape: Shape, dims: Dims, ranks: Ranks =
 
 def _layer_segments(index: str, rest: str, local_shape: Shape, dims: Dims, ranks: Ranks,
                     dim: Optional[int]) -> Optional[List[Segment]]:
-    family = FAMILIES.get(dims.family)
-    if family is None:
-        raise ValueError(f"unknown model family {dims.family!r}; known: {', '.join(sorted(FAMILIES))}")
+    family = family_named(dims.family)
     if rest in _MAMBA_FUSED:
         return _mamba(f"decoder.layers.{index}.{rest}", local_shape, dims, ranks.tp_rank, ranks.tp_size)
-    if family.name == "megatron":
+    if family is OWN_NAMES:
         return None
     prefix, block = f"model.layers.{index}.", f"model.layers.{index}.{family.moe_block}."
     tp = (ranks.tp_rank, ranks.tp_size, dim)

@@ -17,8 +17,9 @@ import functools
 import re
 from typing import Optional, Tuple
 
-from .hf_experts import expert_segments
-from .segments import Segment, whole
+from ckpt_plugins.ext import Segment, whole
+
+from .fused_experts import expert_segments
 
 ADAPTER = "adapter"
 PREFIX = "base_model.model."

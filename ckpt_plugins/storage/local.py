@@ -1,93 +1,16 @@
-"""Storage backends: where checkpoint bytes live.
-
-The interface is small on purpose so an object store fits: whole-file sequential writers,
-ranged reads, and an atomic small-object put for the metadata (the commit). Nothing relies on
-rename across files, listing order, or appends.
-"""
+"""A POSIX directory as Storage: O_DIRECT writes from aligned buffers, O_DIRECT reads where the
+range and the memory are aligned, an atomic rename for the metadata."""
 from __future__ import annotations
 
 import errno
 import os
 import shutil
-from abc import ABC, abstractmethod
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
-import numpy as np
-
-from .errors import CorruptCheckpointError, UnsafePathError
-from .hostmem import PAGE as ALIGN
-
-
-class Writer(ABC):
-    direct_bytes = 0  # bytes written bypassing the page cache (telemetry)
-    retries = 0  # transient failures retried (telemetry)
-
-    @abstractmethod
-    def write(self, data) -> None: ...
-
-    @abstractmethod
-    def close(self) -> None:
-        """Make everything written durable, then release the file."""
-
-
-class Storage(ABC):
-    """A checkpoint's namespace: names are relative '/'-separated paths inside it."""
-
-    @abstractmethod
-    def open_writer(self, name: str) -> Writer: ...
-
-    @abstractmethod
-    def read_into(self, name: str, offset: int, buffer) -> None:
-        """Fill `buffer` (writable bytes-like) from `name` at `offset`; short data is an error."""
-
-    @abstractmethod
-    def read_bytes(self, name: str) -> bytes: ...
-
-    @property
-    def direct_alignment(self) -> Optional[int]:
-        """The alignment (of file offset, memory address and length) at which `read_into` bypasses
-        the page cache; None when it never does. Loads then stage reads in aligned memory."""
-        return None
-
-    def read_parallelism(self, default: int) -> int:
-        """How many reads to keep in flight: `default` (more than the cores, since reads mostly wait
-        on a device). Storage in memory overrides it: its reads are copies, CPU-bound."""
-        return default
-
-    def readers(self, name: str) -> Optional[Sequence[int]]:
-        """The ranks of the loading job that can read file `name`; None when every rank can (a
-        shared filesystem or object store). Loads read a file only on its readers and pass the
-        bytes on (the memory tier's files live on some hosts only)."""
-        return None
-
-    @abstractmethod
-    def put_atomic(self, name: str, data: bytes) -> None:
-        """Write a small file so that readers see either nothing or all of it."""
-
-    def create_exclusive(self, name: str, data: bytes) -> bool:
-        """Create `name` holding `data` unless it exists; False when it does. Object stores have no
-        portable create-if-absent: this default checks, then writes (best effort)."""
-        if self.exists(name):
-            return False
-        self.put_atomic(name, data)
-        return True
-
-    @abstractmethod
-    def exists(self, name: str) -> bool: ...
-
-    @abstractmethod
-    def size(self, name: str) -> int: ...
-
-    @abstractmethod
-    def listdir(self, name: str = "") -> List[str]: ...
-
-    @abstractmethod
-    def remove(self, name: str) -> None:
-        """Remove a file or a whole sub-tree; absent names are fine."""
-
-    @abstractmethod
-    def prepare(self) -> None:
-        """Create the checkpoint's namespace if needed (called by the coordinator before writes)."""
+from ..errors import CorruptCheckpointError, UnsafePathError
+from ..hostmem import PAGE as ALIGN
+from .base import Storage, Writer
+from .stream import address
 
 
 class _FileWriter(Writer):
@@ -111,7 +34,7 @@ class _FileWriter(Writer):
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
-        if self._direct_fd is not None and self._pos % ALIGN == 0 and _address(view) % ALIGN == 0:
+        if self._direct_fd is not None and self._pos % ALIGN == 0 and address(view) % ALIGN == 0:
             aligned = len(view) // ALIGN * ALIGN
             try:
                 self._pwrite(self._direct_fd, view[:aligned])
@@ -137,42 +60,6 @@ class _FileWriter(Writer):
             os.close(self._fd)
             if self._direct_fd is not None:
                 os.close(self._direct_fd)
-
-
-class AlignedStream:
-    """Sequential writes of any size and alignment through `writer`, staged in a reusable
-    page-aligned buffer so that every piece but the last qualifies for O_DIRECT (streaming tools
-    write safetensors headers and tensors of arbitrary sizes)."""
-
-    def __init__(self, writer: Writer, piece: int = 16 << 20):
-        self.writer = writer
-        raw = np.empty(piece + ALIGN, dtype=np.uint8)
-        start = (-raw.ctypes.data) % ALIGN
-        self.buffer = memoryview(raw[start:start + piece])
-        self.fill = 0
-
-    def write(self, data) -> None:
-        data = memoryview(data).cast("B")
-        while len(data):
-            n = min(len(data), len(self.buffer) - self.fill)
-            self.buffer[self.fill:self.fill + n] = data[:n]
-            self.fill += n
-            data = data[n:]
-            if self.fill == len(self.buffer):
-                self.writer.write(self.buffer)
-                self.fill = 0
-
-    def close(self) -> None:
-        """Write what is left, make everything durable, release the file."""
-        try:
-            if self.fill:
-                self.writer.write(self.buffer[:self.fill])
-        finally:
-            self.writer.close()
-
-
-def _address(view: memoryview) -> int:
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 
 class LocalStorage(Storage):
@@ -214,7 +101,7 @@ class LocalStorage(Storage):
         view = memoryview(buffer).cast("B")
         path = self.path(name)
         done = 0
-        if self.direct_alignment and offset % ALIGN == 0 and _address(view) % ALIGN == 0 and len(view) >= ALIGN:
+        if self.direct_alignment and offset % ALIGN == 0 and address(view) % ALIGN == 0 and len(view) >= ALIGN:
             try:
                 done = self._direct_read(path, offset, view[:len(view) // ALIGN * ALIGN])
             except OSError as exc:
@@ -305,17 +192,3 @@ class LocalStorage(Storage):
             except OSError as exc:
                 if exc.errno != errno.ENOENT:
                     raise
-
-
-def storage_for(path, direct_io: bool = True) -> Storage:
-    """The backend for a path: a Storage passes through; `file://` and plain paths are local
-    directories; any other `scheme://` goes through fsspec (s3://, gs://, hdfs://, memory://, ...)."""
-    if isinstance(path, Storage):
-        return path
-    path = os.fspath(path)
-    if path.startswith("file://"):
-        path = path[len("file://"):]
-    elif "://" in path:
-        from .remote import FsspecStorage
-        return FsspecStorage(path)
-    return LocalStorage(path, direct_io=direct_io)

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
-from .family import FAMILIES
-from .segments import Segment, whole
+from ckpt_plugins.ext import FAMILIES, Segment, whole
 
 # model_type -> whether transformers fuses its experts as above (gate rows, then up rows, per expert)
 FUSED = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
@@ -53,10 +52,3 @@ def expert_segments(family: Optional[str], name: str, shape: Tuple[int, ...]) ->
     if fam.moe_block != "mlp" and not rest.startswith("experts."):  # Mixtral's router: another block name
         return whole(block + rest, shape)
     return None
-
-
-def segment_names(segments: Optional[Tuple[Segment, ...]], name: str, shape) -> List[Tuple[str, Tuple[int, ...]]]:
-    """(canonical name, shape) of each tensor the segments name, in order; the tensor itself when none."""
-    if segments is None:
-        return [(name, tuple(shape))]
-    return list(dict.fromkeys((s.name, s.shape) for s in segments if s.name is not None))

@@ -1,0 +1,64 @@
+"""The API for framework extensions: what `hf_ext`, `deepspeed_ext` and `megatron_ext` (and any
+third-party extension) may use of the core, besides `ckpt_plugins`' own top level. Everything
+else in the package is private and may change without notice.
+
+- Handlers: a framework's state entries as fragments and objects (`Handler`, `SaveItems`,
+  `LoadItems`), the core's own handlers to build on (`OptimizerHandler`, `DictHandler`), and the
+  layouts optimizer state is stored through (`ParamLayout`, `flat_layout`, `plain_layout`).
+- Tensors as fragments of canonical tensors: `Fragment`, flat pieces, `Segment`s, `TensorMap`, and
+  how a framework's models are stored (`ModelMapping`, `register_model_mapping`).
+- The shared model families: the HF families' names (`FAMILIES`), sizes (`Dims`) and config.json
+  (`hf_config`, `model_config`).
+- Checkpoints as data: metadata, stored objects, pointers, storage backends, offline reading and
+  writing (importers, exporters), data positions, the memory tier, and the agreement a step every
+  rank runs after a commit goes through (`Coordinator.agreed`).
+"""
+from __future__ import annotations
+
+from .base_ref import BASE, reference, resolve
+from .committed import read_object, read_pointer
+from .coordinator import Coordinator
+from .data.position import load_position, position_items
+from .data.stream import Order, epoch_order
+from .families.dims import Dims
+from .families.family import FAMILIES, Family
+from .families.hf_config import HF_CONFIG, ModelConfig, hf_config, model_config
+from .families.segments import Segment, segment_fragments, segment_pieces, whole, zero_padding
+from .foreign import StandIn, load_pickle_restricted, load_torch_inert
+from .format import DATA_DIR, Metadata, dtype_from_name, dtype_name
+from .fragment import Box, FlatPiece, Fragment, Shape, box_fragment, flat_views
+from .offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
+from .plan import TensorSpec, choose_source
+from .progress import progress_bar
+from .results import take_finished
+from .state import (MASTER, MODEL, OPTIM, DictHandler, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
+                    PerRank, SaveItems, add_master_sources, canonical_name, flat_layout, frozen_keys, master_key,
+                    plain_layout, register_handler, saved_groups)
+from .storage import AlignedStream, LocalStorage, Storage, register_scheme, storage_for
+from .tensor_map import ModelMapping, TensorMap, model_mapping, register_model_mapping, tensor_fragments, tensor_map
+from .tier import MemoryTier
+
+__all__ = [
+    # handlers
+    "Handler", "SaveItems", "LoadItems", "Ignore", "PerRank", "register_handler", "DictHandler", "OptimizerHandler",
+    "ParamLayout", "flat_layout", "plain_layout", "saved_groups", "canonical_name", "add_master_sources",
+    "frozen_keys", "MODEL", "OPTIM", "MASTER", "master_key",
+    # tensors
+    "Fragment", "FlatPiece", "Box", "Shape", "box_fragment", "flat_views", "tensor_fragments", "Segment", "whole",
+    "segment_fragments", "segment_pieces", "zero_padding", "TensorMap", "ModelMapping", "register_model_mapping",
+    "model_mapping", "tensor_map",
+    # families
+    "FAMILIES", "Family", "Dims", "HF_CONFIG", "ModelConfig", "hf_config", "model_config",
+    # checkpoints as data
+    "Metadata", "DATA_DIR", "dtype_name", "dtype_from_name", "read_object", "read_pointer", "TensorSpec",
+    "choose_source", "Storage", "LocalStorage", "AlignedStream", "storage_for", "register_scheme", "LazyFragment",
+    "open_checkpoint", "read_tensor", "write_checkpoint", "BASE", "reference", "resolve", "StandIn",
+    "load_pickle_restricted", "load_torch_inert", "Order", "epoch_order", "load_position", "position_items",
+    "MemoryTier", "Coordinator", "take_finished", "progress_bar", "bcp",
+]
+
+
+def bcp(argv) -> int:
+    """Run a `bcp` command (its arguments as a list): how an extension's tools reuse another's."""
+    from .cli import main
+    return main(argv)

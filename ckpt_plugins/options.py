@@ -1,0 +1,41 @@
+"""What a save is asked to do (`SaveOptions`) and the steps an extension or the checkpoint manager
+runs around its commit (`SaveHooks`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """`framework` and `layout`: where the state comes from (recorded, for tools and people).
+    `step`: the training step it holds. `overwrite`: it may replace a committed checkpoint (which
+    stays loadable until the new one commits). `base`: a committed checkpoint this state was built
+    on (a PEFT run's frozen base): frozen parameters it holds alike are left to it (`base_ref`)."""
+    framework: str = "torch"
+    layout: Dict[str, Any] = field(default_factory=dict)
+    step: Optional[int] = None
+    overwrite: bool = False
+    base: Any = None
+
+    @property
+    def recorded(self) -> Dict[str, Any]:
+        """What the metadata records of them."""
+        return {"framework": self.framework, "layout": dict(self.layout), "step": self.step}
+
+
+@dataclass(frozen=True)
+class SaveHooks:
+    """`on_commit()`: on the coordinating rank right after the commit, before the save counts as
+    done (a "latest" pointer, retention); its failure is the save's error. `on_summary(figures)`:
+    there too, just before, with the save's telemetry summary (a run's history); its failure only
+    logs. `then(coordinator, info)`: on every rank after the commit, on the background group,
+    before the save counts as done (the memory tier replicates there, the HF Trainer writes its
+    model files); its failure is the save's, so it must reach every rank through the coordinator
+    (`Coordinator.agreed`)."""
+    on_commit: Optional[Callable[[], None]] = None
+    on_summary: Optional[Callable[[Dict[str, Any]], None]] = None
+    then: Optional[Callable[[Any, Any], None]] = None
+
+
+NO_HOOKS = SaveHooks()
