@@ -18,7 +18,7 @@ from .base_ref import BASE, reference, resolve
 from .committed import check_files, read_metadata, read_object
 from .coordinator import Coordinator
 from .engine.read import read_items
-from .errors import LoadMismatchError
+from .errors import CheckpointError, LoadMismatchError
 from .failure import RankFailure
 from .plan import (LoadPlan, ReadItem, Request, Transfer, assign_transfers, candidate_keys, plan_load, read_request,
                    resolve_key, runs_of, specs_of)
@@ -38,6 +38,7 @@ class LoadRequest:
     reads: List[Request] = field(default_factory=list)  # for the read-once assignment
     runs: List[Tuple[bytes, int]] = field(default_factory=list)  # runs_of(reads): replicas' alike runs
     host: Optional[str] = None  # ranks of one host exchange through shared memory
+    path: str = ""  # the checkpoint it loads: the same on every rank
 
 
 class Load:
@@ -61,7 +62,7 @@ class Load:
         coord = self.coord
         coord.begin()
         self.before = coord.collectives
-        failure, request = None, LoadRequest(host=shm.host_key())
+        failure, request = None, LoadRequest(host=shm.host_key(), path=str(self.storage))
         recorder = self.recorder
         try:
             with recorder.phase("metadata"):
@@ -86,6 +87,10 @@ class Load:
             failure = RankFailure.of(coord.rank, exc)
         with recorder.phase("agree"):
             self.requests = coord.agree(failure, request, what=self.what, then="Nothing was loaded")
+        paths = sorted({r.path for r in self.requests})
+        if len(paths) > 1:  # every rank sees all of them: every rank raises this
+            raise CheckpointError(f"{self.what} failed: the ranks of one load passed different paths "
+                                  f"({', '.join(paths)}); every rank must load the same checkpoint. Nothing was loaded")
         stored = set(self.metadata.tensors) | set(self.metadata.objects) | set(self.metadata.aliases)
         return LoadResult(missing_keys=sorted({k for r in self.requests for k in r.missing}),
                           unexpected_keys=sorted(stored - {k for r in self.requests for k in r.wanted}))

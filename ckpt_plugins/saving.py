@@ -120,6 +120,7 @@ class Save:
         try:
             agreed = self.cache.plan(coord, specs_of(self.fragments), self.aliases, self.failure, self.what,
                                      generation=self.commit.generation if self.commit is not None else 0,
+                                     target=str(self.storage) if self.storage is not None else "",
                                      meanwhile=early if copy_early else None)
             self.cached, info.plan_cached, self.generation = agreed.plan, agreed.cached, agreed.generation
         except CheckpointError as exc:  # every failed save is a SaveError (a lost rank's PeerLost inside)
