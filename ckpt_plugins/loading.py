@@ -18,9 +18,9 @@ from .base_ref import BASE, reference, resolve
 from .committed import check_files, read_metadata, read_object
 from .coordinator import Coordinator
 from .engine.read import read_items
-from .errors import LoadMismatchError
-from .plan import (LoadPlan, ReadItem, ReadRequest, Run, StoredItem, Transfer, assign_transfers, candidate_keys, plan_load, read_request,
-                   resolve_key, runs_of, specs_of)
+from .errors import CheckpointError, LoadMismatchError
+from .plan import (LoadPlan, ReadItem, ReadRequest, Run, StoredItem, Transfer, assign_transfers, candidate_keys,
+                   plan_load, read_request, resolve_key, runs_of, specs_of)
 from .results import LoadResult
 from .state import LoadItems, root_handler
 from .storage import Storage
@@ -37,6 +37,7 @@ class LoadRequest:
     reads: List[ReadRequest] = field(default_factory=list)  # for the read-once assignment
     runs: List[Run] = field(default_factory=list)  # runs_of(reads): replicas' alike runs
     host: Optional[str] = None  # ranks of one host exchange through shared memory
+    path: str = ""  # the checkpoint it loads: the same on every rank
 
 
 class Load:
@@ -64,6 +65,10 @@ class Load:
         t0 = time.time()
         self.requests = coord.agreed(lambda: self._request(planned), what=self.what, then="Nothing was loaded")
         recorder.add("agree", planned[0] if planned else t0, time.time())
+        paths = sorted({r.path for r in self.requests})
+        if len(paths) > 1:  # every rank sees all of them: every rank raises this
+            raise CheckpointError(f"{self.what} failed: the ranks of one load passed different paths "
+                                  f"({', '.join(paths)}); every rank must load the same checkpoint. Nothing was loaded")
         stored = set(self.metadata.tensors) | set(self.metadata.objects) | set(self.metadata.aliases)
         return LoadResult(missing_keys=sorted({k for r in self.requests for k in r.missing}),
                           unexpected_keys=sorted(stored - {k for r in self.requests for k in r.wanted}))
@@ -71,7 +76,7 @@ class Load:
     def _request(self, planned: list) -> LoadRequest:
         """This rank's metadata, handlers' items and load plan, as what it tells the others
         (`planned` gets the time it was done)."""
-        recorder, request = self.recorder, LoadRequest(host=shm.host_key())
+        recorder, request = self.recorder, LoadRequest(host=shm.host_key(), path=str(self.storage))
         with recorder.phase("metadata"):
             self.metadata = metadata = read_metadata(self.storage)
             check_files(self.storage, metadata)

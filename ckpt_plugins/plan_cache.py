@@ -53,22 +53,28 @@ class PlanCache:
         self.cached: Optional[CachedPlan] = None
 
     def plan(self, coord: Coordinator, specs: List[TensorSpec], aliases: Dict[str, str],
-             failure: Optional[RankFailure], what: str, generation: int = 0,
+             failure: Optional[RankFailure], what: str, generation: int = 0, target: str = "",
              meanwhile: Optional[Callable[[CachedPlan], None]] = None) -> Agreed:
-        """This rank's plan, agreed. Every rank's `failure` reaches every rank as one SaveError.
-        `generation`: the coordinator's choice of file names (others pass 0); it rides on the same
-        all-reduce. `meanwhile(cached)` runs while the ranks agree, when this rank's own cached
-        plan holds (the caller may start copying with it)."""
+        """This rank's plan, agreed. Every rank's `failure` reaches every rank as one SaveError,
+        and so does a `target` (the path saved to) that differs between ranks. `generation`: the
+        coordinator's choice of file names (others pass 0); it rides on the same all-reduce, as
+        the target's digest does. `meanwhile(cached)` runs while the ranks agree, when this
+        rank's own cached plan holds (the caller may start copying with it)."""
         runs = spec_runs(specs)
         key = hashlib.sha256(pickle.dumps((runs, sorted(aliases.items()), self.files_per_rank))).digest()
         stale = self.cached is None or self.cached.key != key
         run = None
         if meanwhile is not None and not stale and failure is None:
             run = lambda: meanwhile(self.cached)  # noqa: E731
-        any_stale, any_failed, generation = coord.any_flags([int(stale), int(failure is not None), generation],
-                                                            meanwhile=run)
+        digest = int.from_bytes(hashlib.sha256(target.encode()).digest()[:8], "little") >> 2
+        any_stale, any_failed, generation, most, least = coord.any_flags(
+            [int(stale), int(failure is not None), generation, digest, -digest], meanwhile=run)
         then = "Nothing was saved"
-        if any_failed:
+        if most != -least and failure is None:  # max != min: the ranks name different paths
+            failure = RankFailure.of(coord.rank, SaveError(
+                f"the ranks of one save passed different paths (this rank: {target}); every rank must save to "
+                "the same path"))
+        if any_failed or most != -least:
             coord.agree(failure, what=what, then=then, default=SaveError)
         if not any_stale:
             return Agreed(self.cached, True, generation)

@@ -107,6 +107,7 @@ class Hooks:
         if exclude_frozen_parameters:
             log.warning("exclude_frozen_parameters is ignored: ckpt_plugins always stores frozen parameters")
         tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+        engine._checkpoint_tag_validation(tag)  # DeepSpeed's own check ("tag_validation": WARN, FAIL, IGNORE)
         path = os.path.join(save_dir, tag)
 
         def after_commit() -> None:  # only once the checkpoint is whole

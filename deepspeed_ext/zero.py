@@ -223,7 +223,10 @@ def _after_load(engine) -> None:
         # at their first step; state created by the load gets linked now
         optimizer._hp_optimizer_states_linked = False
         optimizer._lazy_init_hp_params_optimizer_state()
-    if engine.zero_optimization_stage() == 3 and getattr(optimizer, "persistent_parameters", None):
-        # persistent parameters also live gathered: drop those copies, gather the loaded partitions
-        optimizer.persistent_parameters[0].partition(optimizer.persistent_parameters)
-        optimizer.persistent_parameters[0].all_gather(optimizer.persistent_parameters)
+    if engine.zero_optimization_stage() == 3:
+        # persistent parameters also live gathered: drop those copies; then as DeepSpeed's own load
+        # ends, drop ZeRO++'s secondary partitions (copies of the old ones) and gather the
+        # persistent parameters again from the loaded partitions
+        if getattr(optimizer, "persistent_parameters", None):
+            optimizer.persistent_parameters[0].partition(optimizer.persistent_parameters)
+        optimizer.checkpoint_event_epilogue()
