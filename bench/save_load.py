@@ -290,7 +290,7 @@ class Limits:
         import inspect
         from concurrent.futures import ThreadPoolExecutor
         import ckpt_plugins as cp
-        from ckpt_plugins.engine.read import READ_PIECE
+        from ckpt_plugins.engine.exchange import READ_PIECE
         threads = inspect.signature(cp.Checkpointer).parameters["read_threads"].default
         pieces = range(0, len(self.aligned), READ_PIECE)
         times = []

@@ -28,6 +28,7 @@ from .foreign import StandIn, load_pickle_restricted, load_torch_inert
 from .format import DATA_DIR, Metadata, dtype_from_name, dtype_name
 from .fragment import Box, FlatPiece, Fragment, Shape, box_fragment, flat_views
 from .offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
+from .options import SaveHooks
 from .plan import TensorSpec, choose_source
 from .progress import progress_bar
 from .results import take_finished
@@ -54,7 +55,7 @@ __all__ = [
     "choose_source", "Storage", "LocalStorage", "AlignedStream", "storage_for", "register_scheme", "LazyFragment",
     "open_checkpoint", "read_tensor", "write_checkpoint", "BASE", "reference", "resolve", "StandIn",
     "load_pickle_restricted", "load_torch_inert", "Order", "epoch_order", "load_position", "position_items",
-    "MemoryTier", "Coordinator", "take_finished", "progress_bar", "bcp",
+    "MemoryTier", "Coordinator", "SaveHooks", "take_finished", "progress_bar", "bcp",
 ]
 
 

@@ -17,7 +17,7 @@ from . import shm
 from .base_ref import BASE, reference, resolve
 from .committed import check_files, read_metadata, read_object
 from .coordinator import Coordinator
-from .engine.read import read_items
+from .engine.exchange import ReadWork, read_items
 from .errors import CheckpointError, LoadMismatchError
 from .plan import (LoadPlan, ReadItem, ReadRequest, Run, StoredItem, Transfer, assign_transfers, candidate_keys,
                    plan_load, read_request, resolve_key, runs_of, specs_of)
@@ -131,9 +131,9 @@ class Load:
         hosts = [r.host for r in requests]
         if not (assignment.shared and self.shared_memory and any(h is not None and hosts.count(h) > 1 for h in hosts)):
             hosts = None
-        return read_items(self.storage, reads, self.items.fragments,
-                          {k: m.dtype for k, m in metadata.tensors.items()}, metadata.chunk_bytes,
-                          self.storage.read_parallelism(self.read_threads), transfers, coord, hosts, self.recorder)
+        work = ReadWork(reads, self.items.fragments, {k: m.dtype for k, m in metadata.tensors.items()},
+                        metadata.chunk_bytes, transfers, hosts)
+        return read_items(self.storage, work, coord, self.storage.read_parallelism(self.read_threads), self.recorder)
 
     def _objects(self, metadata, result: LoadResult) -> None:
         for key, setter in self.items.objects.items():

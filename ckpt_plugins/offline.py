@@ -15,7 +15,7 @@ import torch
 
 from .commit import Commit
 from .committed import check_files, read_metadata
-from .engine.read import read_items
+from .engine.exchange import ReadWork, read_items
 from .format import DATA_DIR, Metadata, ObjectMeta, chunk_checksums, dtype_name
 from .fragment import Fragment, sub_view
 from .objects import encode_object
@@ -142,6 +142,6 @@ def read_tensor(storage: Storage, metadata: Metadata, key: str, dtype: Optional[
     frag = Fragment(key, tuple(meta.shape), out.dtype, (0,) * out.dim(), out, cast=dtype is not None)
     spec = TensorSpec(key, tuple(meta.shape), dtype_name(out.dtype), frag.offsets, tuple(out.shape), (), frag.cast)
     plan = plan_load(metadata, [spec])
-    read_items(storage, plan.reads, [frag], {k: m.dtype for k, m in metadata.tensors.items()},
-               metadata.chunk_bytes, threads)
+    read_items(storage, ReadWork(plan.reads, [frag], {k: m.dtype for k, m in metadata.tensors.items()},
+                                 metadata.chunk_bytes), threads=threads)
     return out

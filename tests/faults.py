@@ -1,5 +1,7 @@
 """Fault injection for the fault matrix: each phase of a save or load, each kind of fault, armed
-in one rank's process by patching the function that phase runs (test code only)."""
+in one rank's process. Storage faults go through a faulty Storage (the `faulty://` scheme tests
+save to and load from), plan and finish faults through a state handler's own steps; only the
+snapshot's copy and the exchange's receiving side, which have no public seam, are patched."""
 from __future__ import annotations
 
 import errno
@@ -8,13 +10,14 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 import ckpt_plugins as cp
 from ckpt_plugins.fragment import box_fragment
 from ckpt_plugins.state import LoadItems, SaveItems
+from ckpt_plugins.storage import LocalStorage, Writer, register_scheme
 
 SAVE_PHASES = ("plan", "snapshot", "write", "commit")
 LOAD_PHASES = ("metadata", "load_plan", "own_read", "shared_read", "exchange", "finish")
@@ -36,10 +39,12 @@ class Case:
 
 
 class Armed:
-    """The hook of the state: a save's plan and a load's finish step run through it."""
+    """The hook of the state: a save's plan, a load's plan (its checks) and finish step run
+    through it."""
 
     def __init__(self):
         self.plan: Optional[Callable[[], None]] = None
+        self.load_plan: Optional[Callable[[], None]] = None
         self.finish: Optional[Callable[[], None]] = None
 
     def save_items(self, prefix):
@@ -48,7 +53,51 @@ class Armed:
         return SaveItems()
 
     def load_items(self, prefix, metadata):
-        return LoadItems(finish=[self.finish] if self.finish else [])
+        return LoadItems(finish=[self.finish] if self.finish else [],
+                         checks=[lambda read: self.load_plan()] if self.load_plan else [])
+
+
+class _FaultyWriter(Writer):
+    def __init__(self, inner: Writer, fault: Callable[[Writer, object], None]):
+        self.inner, self.fault = inner, fault
+
+    def write(self, data) -> None:
+        self.fault(self.inner, data)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class FaultyStorage(LocalStorage):
+    """A local directory (`faulty://<dir>`) whose operations fail when this process armed them:
+    `FAULTS[operation](name, offset)` runs first ("put_atomic", "read_bytes", "read_into");
+    `FAULTS["write"](writer, data)` writes a data file's pieces (a slow or dying write, say)."""
+    FAULTS: Dict[str, Callable[..., None]] = {}
+
+    def open_writer(self, name):
+        writer = super().open_writer(name)
+        fault = self.FAULTS.get("write")
+        return _FaultyWriter(writer, fault) if fault is not None and name.startswith("data/") else writer
+
+    def put_atomic(self, name, data):
+        self._fault("put_atomic", name)
+        return super().put_atomic(name, data)
+
+    def read_bytes(self, name):
+        self._fault("read_bytes", name)
+        return super().read_bytes(name)
+
+    def read_into(self, name, offset, buffer):
+        self._fault("read_into", name, offset)
+        return super().read_into(name, offset, buffer)
+
+    def _fault(self, operation: str, *args) -> None:
+        fault = self.FAULTS.get(operation)
+        if fault is not None:
+            fault(*args)
+
+
+register_scheme("faulty", lambda url: FaultyStorage(url[len("faulty://"):]))
 
 
 class Rows(cp.Handler):
@@ -121,23 +170,28 @@ def flip(path: str, where) -> None:
         f.write(bytes([byte[0] ^ 0x5A]))
 
 
+def local_path(path: str) -> str:
+    return path[len("faulty://"):] if path.startswith("faulty://") else path
+
+
 def arm(case: Case, rank: int, world: int, armed: Armed, path: str, mark: str) -> List[Callable[[], None]]:
     """Arm `case` in this process (a no-op on ranks it does not concern); returns the disarms.
     `path`: the checkpoint a load case reads (corruptions are made by rank 0 before the load)."""
-    from ckpt_plugins import hostmem, shm, storage
-    from ckpt_plugins.engine import read as engine_read
-    from ckpt_plugins import loading as load_module
+    from ckpt_plugins import hostmem, shm
+    from ckpt_plugins.engine import channels
 
     undo: List[Callable[[], None]] = []
     mine = rank == case.rank or case.phase == "shared_read"
+    path = local_path(path)
 
     def patch(owner, name, make):
         original = getattr(owner, name)
         setattr(owner, name, make(original))
         undo.append(lambda: setattr(owner, name, original))
 
-    def faulty(original):
-        return lambda *a, **k: act(case, mark)
+    def storage_fault(operation: str, fault: Callable[..., None]) -> None:
+        FaultyStorage.FAULTS[operation] = fault
+        undo.append(lambda: FaultyStorage.FAULTS.pop(operation, None))
 
     if case.fault == "corrupt":
         if rank == 0:
@@ -161,38 +215,25 @@ def arm(case: Case, rank: int, world: int, armed: Armed, path: str, mark: str) -
     if not mine:
         return undo
     phase = case.phase
-    if phase == "plan":
-        armed.plan = lambda: act(case, mark)
-        undo.append(lambda: setattr(armed, "plan", None))
-    elif phase == "finish":
-        armed.finish = lambda: act(case, mark)
-        undo.append(lambda: setattr(armed, "finish", None))
+    if phase in ("plan", "load_plan", "finish"):  # the state's own handler steps
+        setattr(armed, phase, lambda: act(case, mark))
+        undo.append(lambda: setattr(armed, phase, None))
     elif phase == "snapshot":
-        patch(hostmem, "stream_copy", faulty)
+        patch(hostmem, "stream_copy", lambda original: lambda *a, **k: act(case, mark))
     elif phase == "write":
-        patch(storage._FileWriter, "write", faulty)
+        storage_fault("write", lambda writer, data: act(case, mark))
     elif phase == "commit":
-        patch(storage.LocalStorage, "put_atomic", lambda original: lambda self, name, data: (
-            act(case, mark) if name == "metadata.json" else original(self, name, data)))
+        storage_fault("put_atomic", lambda name: act(case, mark) if name == "metadata.json" else None)
     elif phase == "metadata":
-        patch(storage.LocalStorage, "read_bytes", lambda original: lambda self, name: (
-            act(case, mark) if name == "metadata.json" else original(self, name)))
-    elif phase == "load_plan":
-        patch(load_module, "plan_load", faulty)
+        storage_fault("read_bytes", lambda name: act(case, mark) if name == "metadata.json" else None)
     elif phase in ("own_read", "shared_read"):
         file, start, end = stored_range(path, "own", case.rank * ROWS) if phase == "own_read" else \
             stored_range(path, "rep")
-
-        def reading(original):
-            def read_into(self, name, offset, buffer):
-                if name == file and start <= offset < end:
-                    act(case, mark)
-                return original(self, name, offset, buffer)
-            return read_into
-        patch(storage.LocalStorage, "read_into", reading)
+        storage_fault("read_into", lambda name, offset: act(case, mark) if name == file and start <= offset < end
+                      else None)
     elif phase == "exchange":  # this rank is a needer: it fails taking what the reader passed on
-        patch(shm.Attached, "locate", faulty)
-        patch(engine_read._Receive, "_copy", faulty)
+        patch(shm.Attached, "locate", lambda original: lambda *a, **k: act(case, mark))
+        patch(channels.Incoming, "copy_from_buffer", lambda original: lambda *a, **k: act(case, mark))
     return undo
 
 

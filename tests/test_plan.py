@@ -119,18 +119,18 @@ def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
 
 
 def test_read_regions_are_the_payload_layout_and_contiguous_ones_need_no_packing():
-    from ckpt_plugins.engine.read import _needs_packing
+    from ckpt_plugins.engine.read import needs_packing
     from ckpt_plugins.plan import read_regions
     stored = plan_save([[spec("w", (4, 6), (0, 0), (4, 6))]]).metadata
     cols, (read,) = spec("w", (4, 6), (0, 2), (4, 2)), plan_load(stored, [spec("w", (4, 6), (1, 0), (2, 6))]).reads
     assert read_regions(read) == (((1, 0), (2, 6)),)
     (twice,) = plan_load(stored, [cols, cols]).reads  # two targets of one region: sent once
     assert len(twice.copies) == 2 and read_regions(twice) == (((0, 2), (4, 2)),)
-    assert not _needs_packing((4, 6), read_regions(read))  # whole rows: a run of the stored bytes
-    assert not _needs_packing((4, 6), (((2, 3), (1, 2)),))  # part of one row
-    assert _needs_packing((4, 6), read_regions(twice))  # columns: strided
-    assert _needs_packing((4, 6), (((0, 0), (1, 6)), ((1, 0), (1, 6))))  # two regions
-    assert not _needs_packing((2, 3, 4), (((1, 0, 0), (1, 3, 4)),)) and _needs_packing((2, 3, 4), (((0, 1, 0), (2, 1, 4)),))
+    assert not needs_packing((4, 6), read_regions(read))  # whole rows: a run of the stored bytes
+    assert not needs_packing((4, 6), (((2, 3), (1, 2)),))  # part of one row
+    assert needs_packing((4, 6), read_regions(twice))  # columns: strided
+    assert needs_packing((4, 6), (((0, 0), (1, 6)), ((1, 0), (1, 6))))  # two regions
+    assert not needs_packing((2, 3, 4), (((1, 0, 0), (1, 3, 4)),)) and needs_packing((2, 3, 4), (((0, 1, 0), (2, 1, 4)),))
 
 
 def test_load_source_of_the_wanted_dtype_is_preferred_and_casts_need_consent():

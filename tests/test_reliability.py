@@ -51,7 +51,8 @@ def test_manager_latest_retention_listing_and_failed_saves(tmp_path):
 
 
 def crash_worker(rank, world, root, ref_path):
-    manager = CheckpointManager(root)
+    from faults import FaultyStorage
+    manager = CheckpointManager(f"faulty://{root}")
     model = linear(0)
     manager.save(1, {"model": model})
     if rank == 0:
@@ -59,13 +60,10 @@ def crash_worker(rank, world, root, ref_path):
     with torch.no_grad():
         model.weight.add_(1.0)
     if rank == 1:  # this rank dies with SIGKILL in the middle of writing its data file
-        from ckpt_plugins import storage
-        original = storage._FileWriter.write
-
-        def write_then_die(self, data):
-            original(self, memoryview(data)[:len(memoryview(data)) // 2])
+        def write_then_die(writer, data):
+            writer.write(memoryview(data)[:len(memoryview(data)) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
-        storage._FileWriter.write = write_then_die
+        FaultyStorage.FAULTS["write"] = write_then_die
     manager.save(2, {"model": model, "rng": cp.RNGState()})  # per-rank objects: every rank writes
 
 

@@ -28,11 +28,10 @@ DELAY = 0.5  # seconds added to each of its writes
 
 
 def slow_writes_worker(rank, world, root, out):
-    from ckpt_plugins import storage
+    from faults import FaultyStorage
     if rank == SLOW:
-        write = storage._FileWriter.write
-        storage._FileWriter.write = lambda self, data: (time.sleep(DELAY), write(self, data))[1]
-    manager = CheckpointManager(root)
+        FaultyStorage.FAULTS["write"] = lambda writer, data: (time.sleep(DELAY), writer.write(data))
+    manager = CheckpointManager(f"faulty://{root}")
     for step in (1, 2):
         info = manager.save(step, state(rank, world, step, Armed())[0])
         assert info.telemetry.rank == rank and info.telemetry.phase("write") is not None
