@@ -35,7 +35,7 @@ from save_load import WIDTH, build, drop_cache, local_state, same, train_step  #
 
 
 def on_host(hosts_dir: str, name: str) -> None:
-    from ckpt_plugins import shm
+    from ckpt_plugins._src import shm
     os.environ[shm.HOST_ENV] = name
     os.environ[shm.SHM_DIR_ENV] = os.path.join(hosts_dir, name)
     os.makedirs(os.environ[shm.SHM_DIR_ENV], exist_ok=True)

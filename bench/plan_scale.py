@@ -21,9 +21,9 @@ import resource
 import time
 import tracemalloc
 
-from ckpt_plugins.format import decode_metadata
-from ckpt_plugins.fragment import flat_views
-from ckpt_plugins.plan import TensorSpec, assign_transfers, plan_load, plan_save, read_request, runs_of, spec_runs
+from ckpt_plugins._src.format import decode_metadata
+from ckpt_plugins._src.fragment import flat_views
+from ckpt_plugins._src.plan import TensorSpec, assign_transfers, plan_load, plan_save, read_request, runs_of, spec_runs
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 8192, 28672, 80, 64, 8, 32000
 TP, PP = 8, 8

@@ -254,7 +254,7 @@ class Limits:
     def memcpy(self) -> float:
         """The copy limit: the best of `copy_` and the streaming copy the snapshot uses
         (`hostmem.stream_copy`), into already-touched memory (every rank at once)."""
-        from ckpt_plugins import hostmem
+        from ckpt_plugins._src import hostmem
         barrier()
         t = time.perf_counter()
         self.dst.copy_(self.src)
@@ -290,7 +290,7 @@ class Limits:
         import inspect
         from concurrent.futures import ThreadPoolExecutor
         import ckpt_plugins as cp
-        from ckpt_plugins.engine.exchange import READ_PIECE
+        from ckpt_plugins._src.engine.exchange import READ_PIECE
         threads = inspect.signature(cp.Checkpointer).parameters["read_threads"].default
         pieces = range(0, len(self.aligned), READ_PIECE)
         times = []

@@ -22,7 +22,7 @@ TENSORS, NUMEL, REPS = 69, 2048 * 1024, 12
 
 
 def worker(rank: int, barrier, out) -> None:
-    from ckpt_plugins.engine.write import StagedWrite, StageItem
+    from ckpt_plugins._src.engine.write import StagedWrite, StageItem
     sources = [torch.randn(NUMEL) for _ in range(TENSORS)]
     whole = torch.randn(TENSORS * NUMEL)
     whole_dst = torch.zeros_like(whole)

@@ -23,8 +23,8 @@ def worker(rank, world, port, args, root):
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     import ckpt_plugins as cp
-    from ckpt_plugins.fragment import box_fragment
-    from ckpt_plugins.state import Handler, LoadItems, SaveItems
+    from ckpt_plugins._src.fragment import box_fragment
+    from ckpt_plugins._src.state import Handler, LoadItems, SaveItems
 
     class Shard(Handler):  # this rank's rows of 64 tensors
         def __init__(self, tensors):
@@ -56,7 +56,7 @@ def worker(rank, world, port, args, root):
                 if on and info.telemetry is not None:
                     records.append(sum(p.count for p in info.telemetry.phases))
     # one record's cost, measured alone
-    from ckpt_plugins.telemetry import Recorder
+    from ckpt_plugins._src.telemetry import Recorder
     recorder, n = Recorder("save", "local", rank), 100_000
     t = time.perf_counter()
     for _ in range(n):

@@ -12,8 +12,8 @@ import random
 import tempfile
 import time
 
-from ckpt_plugins import trace
-from ckpt_plugins.telemetry import Phase, RankTelemetry, checkpoint_file, read_records, summary
+from ckpt_plugins._src import trace
+from ckpt_plugins._src.telemetry import Phase, RankTelemetry, checkpoint_file, read_records, summary
 
 
 def simulated(ranks: int, per_host: int = 8, seed: int = 0):

@@ -1,14 +1,14 @@
 """ckpt_plugins: one parallelism-agnostic checkpoint core for Megatron, DeepSpeed and FSDP/HF."""
-from .api import (Checkpointer, LoadResult, SaveHandle, SaveInfo, checkpointer, is_checkpoint, load, read_metadata,
+from ._src.api import (Checkpointer, LoadResult, SaveHandle, SaveInfo, checkpointer, is_checkpoint, load, read_metadata,
                   save, save_async)
-from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, LoadMismatchError,
+from ._src.errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, LoadMismatchError,
                      MetadataError, NotACheckpointError, PeerLost, SaveError, UnsafePathError)
-from .manager import CheckpointManager
-from .data import DataChangedError, DataState, TokenPacker
-from .fragment import Fragment, box_fragment, flat_fragments, flat_range_boxes
-from .rng import RNGState, rng_state, set_rng_state
-from .state import Handler, Ignore, LoadItems, PerRank, SaveItems, register_handler
-from .tensor_map import tensor_fragments
+from ._src.manager import CheckpointManager
+from ._src.data import DataChangedError, DataState, TokenPacker
+from ._src.fragment import Fragment, box_fragment, flat_fragments, flat_range_boxes
+from ._src.rng import RNGState, rng_state, set_rng_state
+from ._src.state import Handler, Ignore, LoadItems, PerRank, SaveItems, register_handler
+from ._src.tensor_map import tensor_fragments
 
 __all__ = [
     "save", "save_async", "load", "read_metadata", "is_checkpoint", "checkpointer", "Checkpointer", "CheckpointManager", "SaveInfo", "SaveHandle", "LoadResult",

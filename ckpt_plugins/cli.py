@@ -7,12 +7,12 @@ import sys
 from importlib.metadata import entry_points
 from typing import List
 
-from .committed import check_files, read_metadata
-from .engine.read import read_checked
-from .errors import CheckpointError, IncompleteCheckpointError
-from .format import Metadata
-from .progress import progress_bar
-from .storage import storage_for
+from ._src.committed import check_files, read_metadata
+from ._src.engine.read import read_checked
+from ._src.errors import CheckpointError, IncompleteCheckpointError
+from ._src.format import Metadata
+from ._src.progress import progress_bar
+from ._src.storage import storage_for
 
 
 def _summary(metadata: Metadata) -> dict:
@@ -94,7 +94,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from .manager import CheckpointManager
+    from ._src.manager import CheckpointManager
     manager = CheckpointManager(args.root, prefix=args.prefix)
     latest = manager.latest()
     for step in manager.steps():
@@ -105,7 +105,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_cleanup(args) -> int:
-    from .manager import CheckpointManager
+    from ._src.manager import CheckpointManager
     removed = CheckpointManager(args.root, prefix=args.prefix).cleanup()
     for entry in removed:
         print(f"removed {entry} (its save never committed)")
@@ -117,7 +117,7 @@ def cmd_trace(args) -> int:
     """Report, heatmap and trace of a checkpoint's save; `--history` over a run's root."""
     import os
     from . import trace
-    from .telemetry import HISTORY_FILE
+    from ._src.telemetry import HISTORY_FILE
     storage = storage_for(args.path)
     name = os.path.basename(str(args.path).rstrip("/")) or "checkpoint"
     os.makedirs(args.out, exist_ok=True)

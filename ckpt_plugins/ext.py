@@ -15,29 +15,29 @@ else in the package is private and may change without notice.
 """
 from __future__ import annotations
 
-from .base_ref import BASE, reference, resolve
-from .committed import read_object, read_pointer
-from .coordinator import Coordinator
-from .data.position import load_position, position_items
-from .data.stream import Order, epoch_order
-from .families.dims import Dims
-from .families.family import FAMILIES, Family
-from .families.hf_config import HF_CONFIG, ModelConfig, hf_config, model_config
-from .families.segments import Segment, segment_fragments, segment_pieces, whole, zero_padding
-from .foreign import StandIn, load_pickle_restricted, load_torch_inert
-from .format import DATA_DIR, Metadata, dtype_from_name, dtype_name
-from .fragment import Box, FlatPiece, Fragment, Shape, box_fragment, flat_views
-from .offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
-from .options import SaveHooks
-from .plan import TensorSpec, choose_source
-from .progress import progress_bar
-from .results import take_finished
-from .state import (MASTER, MODEL, OPTIM, DictHandler, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
+from ._src.base_ref import BASE, reference, resolve
+from ._src.committed import read_object, read_pointer
+from ._src.coordinator import Coordinator
+from ._src.data.position import load_position, position_items
+from ._src.data.stream import Order, epoch_order
+from ._src.families.dims import Dims
+from ._src.families.family import FAMILIES, Family
+from ._src.families.hf_config import HF_CONFIG, ModelConfig, hf_config, model_config
+from ._src.families.segments import Segment, segment_fragments, segment_pieces, whole, zero_padding
+from ._src.foreign import StandIn, load_pickle_restricted, load_torch_inert
+from ._src.format import DATA_DIR, Metadata, dtype_from_name, dtype_name
+from ._src.fragment import Box, FlatPiece, Fragment, Shape, box_fragment, flat_views
+from ._src.offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
+from ._src.options import SaveHooks
+from ._src.plan import TensorSpec, choose_source
+from ._src.progress import progress_bar
+from ._src.results import take_finished
+from ._src.state import (MASTER, MODEL, OPTIM, DictHandler, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
                     PerRank, SaveItems, add_master_sources, canonical_name, flat_layout, frozen_keys, master_key,
                     plain_layout, register_handler, saved_groups)
-from .storage import AlignedStream, LocalStorage, Storage, register_scheme, storage_for
-from .tensor_map import ModelMapping, TensorMap, model_mapping, register_model_mapping, tensor_fragments, tensor_map
-from .tier import MemoryTier
+from ._src.storage import AlignedStream, LocalStorage, Storage, register_scheme, storage_for
+from ._src.tensor_map import ModelMapping, TensorMap, model_mapping, register_model_mapping, tensor_fragments, tensor_map
+from ._src.tier import MemoryTier
 
 __all__ = [
     # handlers

@@ -3,7 +3,7 @@ ckpt_plugins checkpoint, in one process, without a GPU, a process group or DeepS
 
 DeepSpeed's files are pickles. They are read with `torch.load(weights_only=True)`, which only
 rebuilds tensors and plain containers, with inert stand-ins for the DeepSpeed classes its files
-name (a fragment address, the ZeRO stage enum, the loss scaler; ckpt_plugins.foreign): nothing
+name (a fragment address, the ZeRO stage enum, the loss scaler; `ckpt_plugins.ext.StandIn`): nothing
 from the files is executed. What comes out is what deepspeed_ext would have saved from the same engine: weights by
 canonical name (frozen ones included), fp32 masters for bf16/fp16 runs, Adam moments and step per
 parameter, param groups, LR scheduler, step counters and client state.

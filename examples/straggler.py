@@ -25,7 +25,7 @@ def worker(rank: int, world: int, port: int, root: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     import ckpt_plugins as cp
-    from ckpt_plugins import storage
+    from ckpt_plugins._src import storage
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

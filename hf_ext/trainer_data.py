@@ -4,7 +4,7 @@ The Trainer deals one global order: accelerate gives each process every n-th bat
 step consumes the next `per_device_train_batch_size x processes x gradient_accumulation_steps`
 samples of the epoch's order, whatever the process count. `EpochSampler` replaces the Trainer's
 random sampler with one whose order is fixed by the seed and the epoch and which a resume can
-start at any position of its epoch; `TrainerData` stores the position as `ckpt_plugins.data`
+start at any position of its epoch; `TrainerData` stores the position as `ckpt_plugins.DataState`
 does (a layout of one global dealer), so a resume with another global batch or process count
 consumes each sample of the epoch once, and a position saved by `DataState` in another framework
 loads here too.

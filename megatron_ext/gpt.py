@@ -1,5 +1,5 @@
 """megatron-core GPT models (dense and mixture-of-experts) and optimizers as fragments under
-canonical names (`ckpt_plugins.families.megatron`).
+canonical names (`megatron_ext.family`).
 
 Every rank describes what it holds, from Megatron's own bookkeeping, as views; nothing is gathered:
 - weights (`model/<name>`) in the training dtype, and persistent buffers (the router's expert

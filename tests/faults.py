@@ -15,9 +15,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.fragment import box_fragment
-from ckpt_plugins.state import LoadItems, SaveItems
-from ckpt_plugins.storage import LocalStorage, Writer, register_scheme
+from ckpt_plugins._src.fragment import box_fragment
+from ckpt_plugins._src.state import LoadItems, SaveItems
+from ckpt_plugins._src.storage import LocalStorage, Writer, register_scheme
 
 SAVE_PHASES = ("plan", "snapshot", "write", "commit")
 LOAD_PHASES = ("metadata", "load_plan", "own_read", "shared_read", "exchange", "finish")
@@ -177,8 +177,8 @@ def local_path(path: str) -> str:
 def arm(case: Case, rank: int, world: int, armed: Armed, path: str, mark: str) -> List[Callable[[], None]]:
     """Arm `case` in this process (a no-op on ranks it does not concern); returns the disarms.
     `path`: the checkpoint a load case reads (corruptions are made by rank 0 before the load)."""
-    from ckpt_plugins import hostmem, shm
-    from ckpt_plugins.engine import channels
+    from ckpt_plugins._src import hostmem, shm
+    from ckpt_plugins._src.engine import channels
 
     undo: List[Callable[[], None]] = []
     mine = rank == case.rank or case.phase == "shared_read"

@@ -43,7 +43,7 @@ def train_step(model, opt, step: int) -> float:
 
 
 def canonical(name: str) -> str:
-    from ckpt_plugins.state import canonical_name
+    from ckpt_plugins._src.state import canonical_name
     return canonical_name(name.replace("module.", "", 1) if name.startswith("module.") else name)
 
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ckpt_plugins as cp
-from ckpt_plugins.storage import LocalStorage
+from ckpt_plugins._src.storage import LocalStorage
 from distributed import run_ranks
 
 
@@ -43,7 +43,7 @@ def test_async_save_snapshots_before_returning(tmp_path):
 
 
 def test_overlapped_save_returns_before_the_snapshot(tmp_path, monkeypatch):
-    from ckpt_plugins.engine.write import StagedWrite
+    from ckpt_plugins._src.engine.write import StagedWrite
     gate = threading.Event()
     original = StagedWrite.snapshot
     monkeypatch.setattr(StagedWrite, "snapshot", lambda self, buf, **kw: (gate.wait(), original(self, buf, **kw)))
@@ -64,8 +64,8 @@ def test_overlapped_save_returns_before_the_snapshot(tmp_path, monkeypatch):
 def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, monkeypatch):
     """Host tensors go as memmove pieces on several threads, the rest on the caller's thread; the
     files hold each item's bytes at its offset whatever order the pieces finish in."""
-    from ckpt_plugins.engine import write as engine
-    from ckpt_plugins.staging import StagingPool
+    from ckpt_plugins._src.engine import write as engine
+    from ckpt_plugins._src.staging import StagingPool
     monkeypatch.setattr(engine, "COPY_PIECE", 4096)  # many pieces per tensor, finishing out of order
     run = engine._Piece.run
     monkeypatch.setattr(engine._Piece, "run", lambda self: (time.sleep(0.002), run(self)))  # writers wait on it
@@ -200,7 +200,7 @@ def test_warm_up_takes_the_first_saves_costs_and_its_failure_only_logs(tmp_path)
 def speculation_worker(rank, world, root):
     """An async save copies with its cached plan while the ranks agree on it, and copies again when
     another rank's structure made the plan stale."""
-    from ckpt_plugins.engine import write as engine
+    from ckpt_plugins._src.engine import write as engine
     events = []
     snapshot, all_reduce = engine.StagedWrite.snapshot, dist.all_reduce
 
@@ -294,7 +294,7 @@ def test_background_commits_do_not_interleave_with_training_collectives(tmp_path
 
 
 def read_once_worker(rank, world, path, totals_path, ring_bytes):
-    from ckpt_plugins.engine.ring import Ring
+    from ckpt_plugins._src.engine.ring import Ring
     if ring_bytes is not None:  # each range then waits for the one before it to be retired
         Ring.BYTES = ring_bytes
     rings, init = [], Ring.__init__
@@ -323,7 +323,7 @@ def test_replicated_load_reads_each_byte_once(tmp_path, ring_bytes):
 
 
 def test_ring_reuses_memory_oldest_range_first(monkeypatch):
-    from ckpt_plugins.engine.ring import Ring
+    from ckpt_plugins._src.engine.ring import Ring
     retired = []
     ring = Ring([100, 100, 100, 300])
     assert ring.size == 4 * 4096 and ring.memory.data_ptr() % 4096 == 0  # ranges start page aligned
@@ -347,7 +347,7 @@ def test_ring_reuses_memory_oldest_range_first(monkeypatch):
 
 
 def split_save_worker(rank, world, path):
-    import ckpt_plugins.plan as plan
+    import ckpt_plugins._src.plan as plan
     plan.SPLIT_BYTES = 4096  # make this small model's replicated boxes big enough to split
     info = cp.save(path, {"model": make(width=128, depth=4)})
     assert info.balance < 1.05
@@ -365,7 +365,7 @@ def test_split_replicated_boxes_round_trip(tmp_path):
 
 
 def test_host_copies_are_exact_at_any_size_and_alignment():
-    from ckpt_plugins import hostmem
+    from ckpt_plugins._src import hostmem
     import platform
     if platform.machine() in ("x86_64", "AMD64"):
         assert hostmem.STREAMING == 1  # the install built the streaming-store helper
@@ -381,7 +381,7 @@ def test_host_copies_are_exact_at_any_size_and_alignment():
 def test_big_tensors_are_stored_page_aligned_and_loaded_through_direct_reads(tmp_path, monkeypatch):
     """Tensors of 1 MiB or more start on a page, so a load reads them with O_DIRECT into its
     aligned ring and copies them into the (unaligned) destination: values bit for bit."""
-    from ckpt_plugins.storage import LocalStorage
+    from ckpt_plugins._src.storage import LocalStorage
     torch.manual_seed(0)
     big = {f"big{i}": torch.randn(700 + i, 513) for i in range(4)}  # sizes no multiple of a page
     state = {**big, "small": torch.randn(7)}

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import ckpt_plugins as cp
-from ckpt_plugins.storage import LocalStorage
+from ckpt_plugins._src.storage import LocalStorage
 from distributed import run_ranks
 
 
@@ -177,7 +177,7 @@ def test_a_failed_load_leaves_no_optimizer_state_behind(tmp_path):
 
 
 def test_aligned_reads_bypass_the_page_cache_and_truncation_is_still_named(tmp_path, monkeypatch):
-    from ckpt_plugins.hostmem import aligned_empty
+    from ckpt_plugins._src.hostmem import aligned_empty
     data = os.urandom(3 * 4096 + 100)
     (tmp_path / "f.bin").write_bytes(data)
     storage, direct, read = LocalStorage(str(tmp_path)), [], LocalStorage._direct_read
@@ -196,7 +196,7 @@ def test_aligned_reads_bypass_the_page_cache_and_truncation_is_still_named(tmp_p
 
 
 def test_shared_memory_segments_are_only_ours():
-    from ckpt_plugins import shm
+    from ckpt_plugins._src import shm
     for path in ("/etc/passwd", "/dev/shm/../etc/passwd", "/dev/shm/other-1-0123456789abcdef", "/tmp/ckpt_plugins-1-0123456789abcdef"):
         with pytest.raises(ValueError, match="not a ckpt_plugins shared-memory segment"):
             shm.Segment.attach(path)

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ckpt_plugins.data.stream import Cursor, Order, after, epoch_order, share
+from ckpt_plugins._src.data.stream import Cursor, Order, after, epoch_order, share
 
 
 @pytest.mark.parametrize("length,world,drop_last,shuffle", [

@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.storage import storage_for
-from ckpt_plugins.trace import load_telemetry
+from ckpt_plugins._src.storage import storage_for
+from ckpt_plugins._src.trace import load_telemetry
 import ds_util
 from distributed import run_env_ranks
 

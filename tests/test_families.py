@@ -1,4 +1,4 @@
-"""The pure model-family mappings (ckpt_plugins.families), without processes: Megatron's TP/EP-local
+"""The pure model-family mappings (ckpt_plugins._src.families), without processes: Megatron's TP/EP-local
 tensors cut into canonical boxes and reassembled for every layout (SequentialMLP, TEGroupedMLP and
 GroupedMLP experts, expert-TP, the distributed optimizer's flat ranges), the names each HF family's
 own `save_pretrained` writes, and config.json in both directions."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ckpt_plugins.families.hf_config import ModelConfig, hf_config, model_config
-from ckpt_plugins.families.dims import Dims
+from ckpt_plugins._src.families.hf_config import ModelConfig, hf_config, model_config
+from ckpt_plugins._src.families.dims import Dims
 from megatron_ext.family import Ranks, canonical_segments, hybrid_pairs, megatron_family, moe_layers
-from ckpt_plugins.families.segments import segment_fragments
+from ckpt_plugins._src.families.segments import segment_fragments
 
 DIMS = Dims(hidden=16, ffn=24, heads=8, groups=4, head_dim=2, vocab=50)
 

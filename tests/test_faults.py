@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt_plugins as cp
-from ckpt_plugins.manager import CheckpointManager
+from ckpt_plugins._src.manager import CheckpointManager
 from distributed import run_ranks, run_ranks_until
 from faults import LOAD_PHASES, SAVE_PHASES, Armed, Case, arm, local_path, report, state, values
 

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_plugins.fragment import (box_fragment, flat_fragments, flat_offset, flat_range_boxes,
+from ckpt_plugins._src.fragment import (box_fragment, flat_fragments, flat_offset, flat_range_boxes,
                                    intersect, packed_pieces, piece_fragments)
-from ckpt_plugins.plan import box_difference
+from ckpt_plugins._src.plan import box_difference
 
 shapes = st.lists(st.integers(1, 6), min_size=1, max_size=4).map(tuple)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ckpt_plugins as cp
-from ckpt_plugins.format import decode_metadata
+from ckpt_plugins._src.format import decode_metadata
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12),
                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
@@ -160,7 +160,7 @@ def test_a_pickle_that_would_run_code_is_refused_and_never_runs(valid, tmp_path)
     offset = data_file.stat().st_size
     with open(data_file, "ab") as f:
         f.write(payload)
-    from ckpt_plugins.format import chunk_checksums
+    from ckpt_plugins._src.format import chunk_checksums
     entry.update(offset=offset, nbytes=len(payload), encoding="torch",
                  crc32c=chunk_checksums(payload, raw["chunk_bytes"]) if "chunk_bytes" in raw else chunk_checksums(payload))
     raw["files"][entry["file"]] = offset + len(payload)

@@ -7,8 +7,8 @@ import sys
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.storage import storage_for
-from ckpt_plugins.trace import load_telemetry
+from ckpt_plugins._src.storage import storage_for
+from ckpt_plugins._src.trace import load_telemetry
 from distributed import run_env_ranks
 from hf_models import assert_same, batch, full_state, tiny_llama, train_step
 

@@ -9,10 +9,10 @@ import torch
 from safetensors import safe_open
 
 import ckpt_plugins as cp
-from ckpt_plugins.families.hf_config import hf_config
-from ckpt_plugins.families.segments import segment_fragments
-from ckpt_plugins.offline import open_checkpoint, read_tensor
-from ckpt_plugins.tensor_map import tensor_map
+from ckpt_plugins._src.families.hf_config import hf_config
+from ckpt_plugins._src.families.segments import segment_fragments
+from ckpt_plugins._src.offline import open_checkpoint, read_tensor
+from ckpt_plugins._src.tensor_map import tensor_map
 from distributed import run_ranks
 from test_families import tiny
 

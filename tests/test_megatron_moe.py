@@ -19,8 +19,8 @@ import torch
 
 import ckpt_plugins as cp
 from checkpoint_compare import assert_matches
-from ckpt_plugins.committed import read_object
-from ckpt_plugins.offline import open_checkpoint
+from ckpt_plugins._src.committed import read_object
+from ckpt_plugins._src.offline import open_checkpoint
 from distributed import run_ranks
 from megatron_util import MOE
 

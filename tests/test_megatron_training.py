@@ -8,8 +8,8 @@ import sys
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.storage import storage_for
-from ckpt_plugins.trace import load_telemetry
+from ckpt_plugins._src.storage import storage_for
+from ckpt_plugins._src.trace import load_telemetry
 from distributed import run_ranks
 
 
@@ -161,7 +161,7 @@ def test_non_persistent_saves_go_to_the_memory_tier_and_a_restart_on_fewer_ranks
     newer memory step over the tracker's (DP4 -> DP2, distributed optimizer)."""
     import shutil
     import tempfile
-    from ckpt_plugins import shm
+    from ckpt_plugins._src import shm
     hosts_dir = tempfile.mkdtemp(prefix="ckpt-hosts-", dir=shm.SHM_DIR)
     try:
         root, losses = str(tmp_path / "run"), str(tmp_path / "losses.pt")
@@ -174,8 +174,8 @@ def test_non_persistent_saves_go_to_the_memory_tier_and_a_restart_on_fewer_ranks
 
 def assert_same_canonical_state(ours, imported, at_least):
     """Two checkpoints hold the same weights, optimizer state, scheduler and param groups."""
-    from ckpt_plugins.offline import open_checkpoint, read_tensor
-    from ckpt_plugins.committed import read_object
+    from ckpt_plugins._src.offline import open_checkpoint, read_tensor
+    from ckpt_plugins._src.committed import read_object
     a_storage, a = open_checkpoint(ours)
     b_storage, b = open_checkpoint(imported)
     trained = {k for k in a.tensors if k.split("/")[0] in ("model", "optim")}
@@ -244,7 +244,7 @@ def test_import_megatron_of_moe_with_expert_parallelism_and_of_checkpoints_witho
     out = subprocess.run(bcp + [os.path.join(root, "bare"), os.path.join(root, "bare_imported"),
                                 "--hf-config", os.path.join(root, "config.json")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    from ckpt_plugins.offline import open_checkpoint, read_tensor
+    from ckpt_plugins._src.offline import open_checkpoint, read_tensor
     a_storage, a = open_checkpoint(os.path.join(root, "ours", "iter_0000002"))
     b_storage, b = open_checkpoint(os.path.join(root, "bare_imported"))
     weights = {k for k in a.tensors if k.startswith("model/")}

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 import ckpt_plugins as cp
-from ckpt_plugins import shm
-from ckpt_plugins.fragment import box_fragment
-from ckpt_plugins.state import LoadItems, SaveItems
-from ckpt_plugins.tier.layout import HostReport, Hosts, StepFiles, choose
+from ckpt_plugins._src import shm
+from ckpt_plugins._src.fragment import box_fragment
+from ckpt_plugins._src.state import LoadItems, SaveItems
+from ckpt_plugins._src.tier.layout import HostReport, Hosts, StepFiles, choose
 from distributed import run_ranks, run_ranks_until
 from hf_models import assert_same, batch, full_state
 
@@ -53,7 +53,7 @@ def first_run(rank, world, hosts_dir, root, out):
     6, and rank 3 dies while writing step 6's memory save."""
     on_host(hosts_dir, "a" if rank < 2 else "b")
     from test_hf_fsdp1 import make
-    from ckpt_plugins.engine.write import StagedWrite
+    from ckpt_plugins._src.engine.write import StagedWrite
     model, opt = make("fsdp2", 0)
     mgr = manager(root)
     losses = {}
@@ -64,7 +64,7 @@ def first_run(rank, world, hosts_dir, root, out):
             if rank == 0:
                 torch.save(ref, os.path.join(out, f"ref{step}.pt"))
         if step <= 4:
-            handle = mgr.save(step, {"model": model, "optim": opt})
+            handle = mgr.save_async(step, {"model": model, "optim": opt})
             handle.wait()
     if rank == 0:
         torch.save(losses, os.path.join(out, "losses.pt"))
@@ -78,7 +78,7 @@ def first_run(rank, world, hosts_dir, root, out):
     StagedWrite.write = dying
     t = time.time()
     with pytest.raises(cp.SaveError) as err:
-        mgr.save(6, {"model": model, "optim": opt}).wait()
+        mgr.save_async(6, {"model": model, "optim": opt}).wait()
     # every survivor raises at once; the coordinator names the dead rank (among any too slow to answer)
     assert time.time() - t < 30 and (rank != 0 or re.search(r"ranks? (\d+, )*3\b", str(err.value))), err.value
     torch.save(True, os.path.join(out, f"survived{rank}.pt"))
@@ -188,7 +188,7 @@ def share(full, rank, world):
 def three_hosts(rank, world, hosts_dir, root, full):
     on_host(hosts_dir, "abc"[rank])
     mgr = cp.CheckpointManager(root, memory_every=1)
-    mgr.save(1, {"w": Rows(share(full, rank, world).clone(), full.shape, rank), "note": {"world": world}}).wait()
+    mgr.save_async(1, {"w": Rows(share(full, rank, world).clone(), full.shape, rank), "note": {"world": world}}).wait()
 
 
 def two_of_three(rank, world, hosts_dir, root, full):
@@ -220,10 +220,10 @@ def full_replica_memory(rank, world, hosts_dir, root, full, where):
     """Host b's memory is full when step 2's replica arrives (reserving the file, or writing a
     piece): the save fails on both ranks, and no partial replica is left."""
     import errno
-    from ckpt_plugins.tier.hostdir import HostDir, Landing
+    from ckpt_plugins._src.tier.hostdir import HostDir, Landing
     on_host(hosts_dir, "ab"[rank])
     mgr = cp.CheckpointManager(root, memory_every=1)
-    mgr.save(1, {"w": Rows(share(full, rank, world).clone(), full.shape, rank)}).wait()
+    mgr.save_async(1, {"w": Rows(share(full, rank, world).clone(), full.shape, rank)}).wait()
     def full_memory(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
     if rank == 1 and where == "land":
@@ -231,7 +231,7 @@ def full_replica_memory(rank, world, hosts_dir, root, full, where):
     elif rank == 1:
         Landing.write = full_memory
     with pytest.raises(cp.SaveError) as err:
-        mgr.save(2, {"w": Rows(share(full, rank, world) + 1, full.shape, rank)}).wait()
+        mgr.save_async(2, {"w": Rows(share(full, rank, world) + 1, full.shape, rank)}).wait()
     assert "rank 1: OSError" in str(err.value) and "No space left" in str(err.value), err.value
     step = mgr.tier.host.step_path(2)
     assert not [f for _, _, fs in os.walk(step) for f in fs if f.endswith(".part")], list(os.walk(step))
@@ -268,7 +268,7 @@ def test_one_process_persists_from_memory_and_recovers_either_way(tmp_path):
         mgr = cp.CheckpointManager(root, memory_every=1, persist_every=2, memory_dir=memory)
         for step in (1, 2, 3):
             w.fill_(step)
-            mgr.save(step, {"w": w, "step": step}).wait()
+            mgr.save_async(step, {"w": w, "step": step}).wait()
         assert mgr.steps() == [2] and sorted(os.listdir(memory)) == ["step_3"]
         with open(root / "telemetry.jsonl") as f:  # the persisted step is in the run's history
             assert [json.loads(line)["step"] for line in f] == [2]
@@ -278,7 +278,7 @@ def test_one_process_persists_from_memory_and_recovers_either_way(tmp_path):
         w.fill_(4)
         with pytest.raises(cp.SaveError, match="persisting memory step 4 to .* failed: rank 0: "
                                                "(NotADirectoryError|FileExistsError)"):
-            blocked.save(4, {"w": w, "step": 4}).wait()
+            blocked.save_async(4, {"w": w, "step": 4}).wait()
         assert sorted(os.listdir(memory)) == ["step_4"]  # in memory all the same
         got = {"w": torch.zeros(64, 8), "step": None}
         result = cp.CheckpointManager(root, memory_every=1, memory_dir=memory).load(got)
@@ -329,7 +329,7 @@ def test_recovery_takes_the_newest_step_complete_on_the_survivors():
 
 
 def test_an_item_no_needer_can_read_is_read_by_a_rank_that_can():
-    from ckpt_plugins.plan import assign_transfers
+    from ckpt_plugins._src.plan import assign_transfers
     box = ((0,), (4,))
     requests = [[], [("data/r2-0.bin", 0, 0, 16, (box,))]]
     transfer = assign_transfers(requests, readers=lambda f: (0,)).transfers[("data/r2-0.bin", 0)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.base_ref import BASE
+from ckpt_plugins._src.base_ref import BASE
 from hf_models import tiny_llama
 
 BCP = os.path.join(os.path.dirname(sys.executable), "bcp")

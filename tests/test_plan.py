@@ -1,8 +1,8 @@
 """Save and load planning as pure functions: no processes, no I/O."""
 import pytest
 
-from ckpt_plugins.errors import LoadMismatchError
-from ckpt_plugins.plan import TensorSpec, plan_load, plan_save, spec_runs
+from ckpt_plugins._src.errors import LoadMismatchError
+from ckpt_plugins._src.plan import TensorSpec, plan_load, plan_save, spec_runs
 
 
 def spec(key, shape, offsets=None, lengths=None, dtype="float32"):
@@ -88,7 +88,7 @@ def test_big_replicated_boxes_are_split_across_their_holders():
 
 
 def test_read_once_assignment_reads_every_shared_range_once():
-    from ckpt_plugins.plan import assign_transfers
+    from ckpt_plugins._src.plan import assign_transfers
     rows = lambda a, n: (((a, 0), (n, 4)),)  # the regions a rank wants from a stored (25, 4) box
     reqs = [[("f", 0, 0, 100, rows(0, 25)), ("f", 200, 0, 50, rows(0, 12))], [("f", 0, 0, 60, rows(0, 15))],
             [("f", 0, 40, 100, rows(10, 15))], [("g", 0, 0, 8, rows(0, 2))]]
@@ -104,7 +104,7 @@ def test_read_once_assignment_reads_every_shared_range_once():
 def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
     """Replicas request the same weights and each its own optimizer shard: handled by runs
     (`runs_of`), the assignment is the one made rank by rank."""
-    from ckpt_plugins.plan import assign_transfers, runs_of
+    from ckpt_plugins._src.plan import assign_transfers, runs_of
     rows = lambda a, n: (((a, 0), (n, 4)),)  # noqa: E731
     weights = [("w", 64 * i, 0, 64, rows(0, 4)) for i in range(3)]
     reqs = [weights + [("o", 96 * r, 0, 32, rows(r, 1)), ("o", 96 * ((r + 1) % 4), 32, 64, rows(r, 1))] for r in range(4)]
@@ -119,8 +119,8 @@ def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
 
 
 def test_read_regions_are_the_payload_layout_and_contiguous_ones_need_no_packing():
-    from ckpt_plugins.engine.read import needs_packing
-    from ckpt_plugins.plan import read_regions
+    from ckpt_plugins._src.engine.read import needs_packing
+    from ckpt_plugins._src.plan import read_regions
     stored = plan_save([[spec("w", (4, 6), (0, 0), (4, 6))]]).metadata
     cols, (read,) = spec("w", (4, 6), (0, 2), (4, 2)), plan_load(stored, [spec("w", (4, 6), (1, 0), (2, 6))]).reads
     assert read_regions(read) == (((1, 0), (2, 6)),)
@@ -155,7 +155,7 @@ def test_planning_pauses_the_garbage_collector_and_gives_it_back():
     import gc
     import threading
 
-    from ckpt_plugins.gcpause import gc_paused
+    from ckpt_plugins._src.gcpause import gc_paused
     seen, entered, leave = [], threading.Event(), threading.Event()
 
     @gc_paused

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import ckpt_plugins as cp
-from ckpt_plugins import lock
-from ckpt_plugins.manager import CheckpointManager
-from ckpt_plugins.storage import LocalStorage
+from ckpt_plugins._src import lock
+from ckpt_plugins._src.manager import CheckpointManager
+from ckpt_plugins._src.storage import LocalStorage
 from distributed import run_ranks
 
 BCP = os.path.join(os.path.dirname(sys.executable), "bcp")

@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import ckpt_plugins as cp
-from ckpt_plugins.state import Handler, LoadItems, SaveItems
+from ckpt_plugins._src.fragment import packed_pieces, piece_fragments
+from ckpt_plugins._src.state import Handler, LoadItems, SaveItems
 from distributed import run_ranks
 
 SHAPES = {"emb": (11, 6), "w1": (6, 9), "w3": (3, 5, 4), "norm": (7,)}  # odd sizes: uneven shards
@@ -144,8 +145,8 @@ class FlatPartition(Handler):
         for kind, buf in self.buffers.items():
             entries = [(f"{prefix}/{n}" if kind == "param" else f"optim/{n}/{kind}", s, o)
                        for n, s, o in self.entries]
-            frags += cp.fragment.piece_fragments(cp.fragment.packed_pieces(entries, self.start,
-                                                                           self.start + buf.numel()), buf)
+            frags += piece_fragments(packed_pieces(entries, self.start,
+                                                   self.start + buf.numel()), buf)
         return frags
 
     def save_items(self, prefix):
@@ -250,8 +251,8 @@ def even_model(seed, dim):
 
 
 def rows_to_columns_worker(rank, world, path, out_path, shared_memory):
-    from ckpt_plugins import shm
-    from ckpt_plugins.engine.ring import Ring
+    from ckpt_plugins._src import shm
+    from ckpt_plugins._src.engine.ring import Ring
     if shared_memory == "full on rank 0" and rank == 0:  # /dev/shm has no room for this rank's ring
         def full(nbytes):
             raise OSError(28, "No space left on device")
@@ -278,9 +279,10 @@ def test_resharded_read_once_sends_only_what_each_rank_wants(tmp_path, shared_me
     it; the other gets its half packed, straight into its tensor, or, sharing the reader's host,
     copies it out of the reader's shared memory, told where by a header. A rank that cannot get
     shared memory sends over the group instead."""
-    from ckpt_plugins import shm
+    from ckpt_plugins._src import shm
     out = str(tmp_path / "out")
-    before = set(os.listdir(shm.SHM_DIR))
+    ours = lambda: {f for f in os.listdir(shm.SHM_DIR) if f.startswith("ckpt_plugins-")}  # noqa: E731
+    before = ours()
     run_ranks(2, rows_to_columns_worker, str(tmp_path / "ckpt"), out, shared_memory)
     ranks = torch.load(out)
     sent = [sum(r[0]) for r in ranks]
@@ -298,4 +300,19 @@ def test_resharded_read_once_sends_only_what_each_rank_wants(tmp_path, shared_me
         assert shm.HEADER_BYTES in ranks[1][0] and 8 in ranks[0][0]
     stored = sum(b.nbytes for t in cp.read_metadata(tmp_path / "ckpt").tensors.values() for b in t.boxes)
     assert sum(r[2] for r in ranks) == stored  # each byte read once
-    assert set(os.listdir(shm.SHM_DIR)) == before  # no segment outlives the load
+    assert ours() == before  # no segment outlives the load
+
+
+def stage_objects_worker(rank, world, path):
+    """Each rank holds objects of its own (a pipeline stage's optimizer steps, say)."""
+    cp.save(path, {"stage": {f"layer{rank}": {"step": 10 + rank}}, "shared": {"lr": 0.5}})
+
+
+def test_objects_only_some_ranks_hold_are_saved_once(tmp_path):
+    run_ranks(2, stage_objects_worker, str(tmp_path / "c"))
+    meta = cp.read_metadata(tmp_path / "c")
+    assert sorted(meta.objects) == ["shared/lr", "stage/layer0/step", "stage/layer1/step"]
+    assert all(len(v) == 1 for v in meta.objects.values())  # each written once
+    back = {"stage": {"layer0": {"step": None}, "layer1": {"step": None}}, "shared": {"lr": None}}
+    cp.load(tmp_path / "c", back)
+    assert back == {"stage": {"layer0": {"step": 10}, "layer1": {"step": 11}}, "shared": {"lr": 0.5}}

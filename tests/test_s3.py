@@ -13,7 +13,7 @@ import torch
 
 import ckpt_plugins as cp
 import s3_server
-from ckpt_plugins.storage import storage_for
+from ckpt_plugins._src.storage import storage_for
 from distributed import free_port, run_ranks
 from hf_models import assert_same, full_state, train_step
 
@@ -226,7 +226,7 @@ def deepspeed_hook_worker(rank, world, url, env):
     pointer and resume all through the store."""
     os.environ.update(env)
     import ds_util
-    from ckpt_plugins.committed import read_pointer
+    from ckpt_plugins._src.committed import read_pointer
     eng = ds_util.engine(1, False)
     ds_util.step(eng, 0)
     eng.save_checkpoint(url, client_state={"a": 1})
@@ -252,7 +252,7 @@ def megatron_hook_worker(rank, world, url, env):
     import megatron_util as mu
     import megatron_ext.training as bcp
     from megatron.training import checkpointing, training
-    from ckpt_plugins.committed import read_pointer
+    from ckpt_plugins._src.committed import read_pointer
     mu.train_step(model, opt, 0)
     training.save_checkpoint(1, [model], opt, sched, 5.0)
     assert read_pointer(url, bcp.TRACKER) == "1" and cp.is_checkpoint(f"{url}/iter_0000001")

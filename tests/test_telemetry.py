@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 import ckpt_plugins as cp
-from ckpt_plugins import trace
-from ckpt_plugins.manager import CheckpointManager
-from ckpt_plugins.storage import storage_for
-from ckpt_plugins.telemetry import HISTORY_FILE, TELEMETRY_FILE, RankTelemetry
+from ckpt_plugins._src import trace
+from ckpt_plugins._src.manager import CheckpointManager
+from ckpt_plugins._src.storage import storage_for
+from ckpt_plugins._src.telemetry import HISTORY_FILE, TELEMETRY_FILE, RankTelemetry
 from distributed import run_env_ranks, run_ranks
 from faults import Armed, state, values
 
@@ -130,7 +130,7 @@ def test_the_heatmap_groups_ranks_by_host_when_there_are_many(tmp_path):
 
 
 def trace_phase(name, seconds):
-    from ckpt_plugins.telemetry import Phase
+    from ckpt_plugins._src.telemetry import Phase
     return Phase(name, 0.0, seconds, seconds, 1 << 20, 1)
 
 

@@ -52,7 +52,7 @@ def decoder_layer(model: str):
 def param_groups(model, vectors):
     """Weight decay on matrices only, as Megatron does. `vectors`: the 1-D parameters' canonical
     names, taken before wrapping (FSDP1 flattens every parameter it owns)."""
-    from ckpt_plugins.state import canonical_name
+    from ckpt_plugins._src.state import canonical_name
     named = [(canonical_name(n.replace("module.", "", 1) if n.startswith("module.") else n), p)
              for n, p in model.named_parameters()]
     return [{"params": [p for n, p in named if n not in vectors], "weight_decay": WD},

@@ -29,8 +29,8 @@ from .format import DATA_DIR, Metadata, ObjectMeta
 from .fragment import Fragment, sub_view
 from .objects import Encoded, encode_object
 from .options import SaveHooks, SaveOptions
-from .plan import Placement, WriteItem, place, specs_of
-from .plan_cache import CachedPlan, PlanCache
+from .plan import Placement, place, specs_of
+from .plan_cache import CachedPlan, PlanCache, Structure
 from .results import SaveHandle
 from .staging import StagingPool, StagingSlot
 from .state import root_handler
@@ -67,32 +67,50 @@ class Outcome:
 
 @dataclass
 class Contents:
-    """One rank's part of a save as data: its fragments, the aliases of tied tensors, its encoded
-    objects and where they go in its objects file. Collected in the caller's thread, the only one
-    that may read a framework's state."""
+    """One rank's part of a save as data: its fragments, the aliases of tied tensors, and its
+    objects, encoded (replicated ones are written by one holder each, as the plan says; per-rank
+    ones by their rank). Collected in the caller's thread, the only one that may read a framework's
+    state."""
+    rank: int = 0
     fragments: List[Fragment] = field(default_factory=list)
     aliases: Dict[str, str] = field(default_factory=dict)
-    objects: List[SavedObject] = field(default_factory=list)
-    placed: List[Placement] = field(default_factory=list)
+    replicated: Dict[str, Encoded] = field(default_factory=dict)
+    per_rank: Dict[str, Encoded] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, state: Dict[str, Any], base, storage: Optional[Storage], coord: Coordinator) -> "Contents":
+    def of(cls, state: Dict[str, Any], base, storage: Optional[Storage], rank: int) -> "Contents":
         items = root_handler(state).save_items("")
         if base is not None:
             leave_to_base(items, base, storage)
-        mine = [(kv, None) for kv in items.objects.items()] if coord.is_coordinator else []
-        objects = [SavedObject(key, encode_object(value), rank)
-                   for (key, value), rank in mine + [(kv, coord.rank) for kv in items.per_rank.items()]]
-        placed, _ = place([len(o.encoded.data) for o in objects], [f"{DATA_DIR}/r{coord.rank}-objects.bin"])
-        return cls(items.fragments, items.aliases, objects, placed)
+        return cls(rank, items.fragments, items.aliases, {k: encode_object(v) for k, v in items.objects.items()},
+                   {k: encode_object(v) for k, v in items.per_rank.items()})
 
-    def staged(self, storage: Optional[Storage], writes: List[WriteItem]) -> StagedWrite:
+    @property
+    def structure(self) -> Structure:
+        return Structure(specs_of(self.fragments), self.aliases, sorted(self.replicated))
+
+    def objects(self, replicated: List[str]) -> List[SavedObject]:
+        """The objects this rank writes, the plan's `replicated` ones among them."""
+        return ([SavedObject(k, self.replicated[k], None) for k in replicated] +
+                [SavedObject(k, e, self.rank) for k, e in self.per_rank.items()])
+
+    def staged(self, storage: Optional[Storage], cached: CachedPlan) -> "Staged":
         """What this rank writes, as views of the live fragments and the encoded objects."""
-        frags = self.fragments
-        return StagedWrite(storage,
-                           [StageItem(w.file, w.offset, sub_view(frags[w.index].local, frags[w.index].offsets, w.box))
-                            for w in writes] +
-                           [StageItem(at.file, at.offset, o.encoded.data) for o, at in zip(self.objects, self.placed)])
+        frags, objects = self.fragments, self.objects(cached.objects)
+        placed, _ = place([len(o.encoded.data) for o in objects], [f"{DATA_DIR}/r{self.rank}-objects.bin"])
+        job = StagedWrite(storage,
+                          [StageItem(w.file, w.offset, sub_view(frags[w.index].local, frags[w.index].offsets, w.box))
+                           for w in cached.writes] +
+                          [StageItem(at.file, at.offset, o.encoded.data) for o, at in zip(objects, placed)])
+        return Staged(job, objects, placed)
+
+
+@dataclass
+class Staged:
+    """A rank's write job for one plan, and the objects it writes and where."""
+    job: StagedWrite
+    objects: List[SavedObject]
+    placed: List[Placement]
 
 
 class Save:
@@ -102,9 +120,10 @@ class Save:
         self.options, self.hooks = options, hooks
         self.handle = SaveHandle(str(storage))
         self.what = f"save to {storage}"
-        self.contents = Contents()
+        self.contents = Contents(coord.rank)
         self.commit: Optional[Commit] = None
         self.slot: Optional[StagingSlot] = None
+        self.staged: Optional[Staged] = None
         self.job: Optional[StagedWrite] = None
         self.cached: Optional[CachedPlan] = None
         self._copied_early = False
@@ -124,7 +143,7 @@ class Save:
         self._collectives_before = coord.collectives
         failure = None
         try:  # a failure is passed on by the plan's agreement: every rank must learn of it
-            self.contents = Contents.of(self.state, self.options.base, self.storage, coord)
+            self.contents = Contents.of(self.state, self.options.base, self.storage, coord.rank)
             if coord.is_coordinator:
                 with self.recorder.phase("lock"):
                     self.commit = Commit.open(self.storage, self.options.overwrite)
@@ -137,13 +156,14 @@ class Save:
         info, coord, contents = self.handle.info, self.coord, self.contents
 
         def early(cached: CachedPlan) -> None:
-            self.job = contents.staged(self.storage, cached.writes)
+            self.staged = contents.staged(self.storage, cached)
+            self.job = self.staged.job
             self._copy()
 
         try:
-            agreed = self.cache.plan(coord, specs_of(contents.fragments), contents.aliases, failure, self.what,
+            agreed = self.cache.plan(coord, contents.structure, failure, self.what,
                                      generation=self.commit.generation if self.commit is not None else 0,
-                                     target=str(self.storage), meanwhile=early if copy_early else None)
+                                     target=self.storage.identity, meanwhile=early if copy_early else None)
             self.cached, info.plan_cached, self.generation = agreed.plan, agreed.cached, agreed.generation
         except CheckpointError as exc:  # every failed save is a SaveError (a lost rank's PeerLost inside)
             self.release()
@@ -156,7 +176,8 @@ class Save:
         self._copied_early = self.job is not None and info.plan_cached
         if not self._copied_early:
             self._release_slot()  # copied for a plan another rank's change made stale: copy again
-            self.job = contents.staged(self.storage, self.cached.writes)
+            self.staged = contents.staged(self.storage, self.cached)
+            self.job = self.staged.job
         self.job.stored_as = functools.partial(generation_file, generation=self.generation)
         info.rank_bytes, info.balance = sum(item.nbytes for item in self.job.items), self.cached.balance
         info.collectives = coord.collectives - self._collectives_before
@@ -221,7 +242,7 @@ class Save:
             info.files = {job.stored_as(name): size for name, size in job.sizes.items()}
             return WriteReport(None, checksums[:n], {
                 key: ObjectMeta(file=f, offset=off, nbytes=len(data), crc32c=crc, encoding=enc, rank=rank)
-                for (key, (enc, data), rank), (f, off), crc in zip(self.contents.objects, self.contents.placed,
+                for (key, (enc, data), rank), (f, off), crc in zip(self.staged.objects, self.staged.placed,
                                                                    checksums[n:])}, job.sizes)
         except Exception as exc:
             failure = RankFailure.of(bg.rank, exc)

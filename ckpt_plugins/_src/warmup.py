@@ -8,7 +8,6 @@ from typing import Any, Dict, Optional
 
 from .coordinator import Coordinator
 from .failure import RankFailure
-from .plan import specs_of
 from .plan_cache import PlanCache
 from .saving import Contents
 from .staging import StagingPool
@@ -27,9 +26,9 @@ class WarmUp:
         self.coord, self.pool, self.cache = coord, pool, cache
         coord.begin()
         self.failure: Optional[RankFailure] = None
-        self.contents = Contents()
+        self.contents = Contents(coord.rank)
         try:  # passed on by the plan's agreement: every rank must learn of it
-            self.contents = Contents.of(state, base, None, coord)
+            self.contents = Contents.of(state, base, None, coord.rank)
         except Exception as exc:
             self.failure = RankFailure.of(coord.rank, exc)
 
@@ -41,9 +40,8 @@ class WarmUp:
                 pass
         try:
             contents = self.contents
-            agreed = self.cache.plan(self.coord, specs_of(contents.fragments), contents.aliases, self.failure,
-                                     "checkpoint warm-up")
-            job = contents.staged(None, agreed.plan.writes)
+            agreed = self.cache.plan(self.coord, contents.structure, self.failure, "checkpoint warm-up")
+            job = contents.staged(None, agreed.plan).job
             self.pool.acquire(job.nbytes, pin=job.pinned).release()
         except Exception as exc:
             log.warning("checkpoint warm-up failed (the first save will plan and stage itself): %s: %s",

@@ -18,6 +18,10 @@ class TierStorage(Storage):
     def __str__(self) -> str:
         return self.label
 
+    @property
+    def identity(self) -> str:
+        return self.local.identity
+
     def read_parallelism(self, default: int) -> int:
         # copies from shared memory, CPU-bound: more threads than cores only contend (the 2 -> 1
         # recovery of bench/memory_tier.py loaded in 0.163 s with 4 threads on 2 cores, 0.147 s with 2)

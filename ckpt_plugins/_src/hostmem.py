@@ -12,7 +12,7 @@ import sys
 import torch
 
 try:
-    from ._hostcopy import STREAMING, copy as _stream_copy
+    from .._hostcopy import STREAMING, copy as _stream_copy
 except ImportError:  # installed without a C compiler: memmove
     STREAMING, _stream_copy = 0, None
 

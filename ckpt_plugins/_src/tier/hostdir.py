@@ -37,6 +37,7 @@ class HostDir:
     def __init__(self, root: str, directory: Optional[str] = None):
         name = root if "://" in root else os.path.abspath(root)  # a restart may name it otherwise
         run = hashlib.sha256(name.encode()).hexdigest()[:16]
+        self.run = name
         self.path = directory or os.path.join(shm.shm_dir(), f"ckpt_plugins-tier-{run}")
 
     def __str__(self) -> str:
@@ -46,7 +47,8 @@ class HostDir:
         return os.path.join(self.path, f"step_{int(step)}")
 
     def storage(self, step: int) -> LocalStorage:
-        return LocalStorage(self.step_path(step), direct_io=False)  # tmpfs has no direct I/O
+        # tmpfs has no direct I/O; each host's copy of the step is one checkpoint to the ranks
+        return LocalStorage(self.step_path(step), direct_io=False, identity=f"memory step {int(step)} of {self.run}")
 
     def steps(self) -> Dict[int, str]:
         try:

@@ -5,19 +5,29 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 from .coordinator import Coordinator
 from .errors import SaveError
 from .failure import RankFailure, failure_error
-from .plan import Run, SavePlan, TensorSpec, WriteItem, plan_save, spec_runs
+from .plan import Run, SavePlan, TensorSpec, WriteItem, assign_objects, plan_save, spec_runs
+
+
+@dataclass
+class Structure:
+    """What one rank's save is made of, for planning: its tensors' specs, the aliases of tied
+    tensors, and the keys of the replicated objects it holds (each is written by one holder)."""
+    specs: List[TensorSpec]
+    aliases: Dict[str, str]
+    objects: List[str]
 
 
 @dataclass
 class CachedPlan:
     key: bytes
     writes: List[WriteItem]  # this rank's
+    objects: List[str]  # the replicated objects this rank writes
     plan: Optional[SavePlan]  # the coordinator's global plan (None elsewhere)
     balance: float
 
@@ -34,16 +44,16 @@ class Agreed:
 @dataclass
 class PlanRequest:
     """What one rank tells the coordinator when some rank's cached plan is stale."""
-    specs: List[TensorSpec]
-    aliases: Dict[str, str]
+    structure: Structure
     runs: List[Run]  # spec_runs(specs): runs DP replicas hold alike are planned once
 
 
 @dataclass
 class PlanReply:
-    """The coordinator's answer to one rank's specs."""
+    """The coordinator's answer to one rank's request."""
     failure: Optional[RankFailure]
     writes: List[WriteItem]
+    objects: List[str] = field(default_factory=list)
     balance: float = 1.0
 
 
@@ -52,16 +62,16 @@ class PlanCache:
         self.files_per_rank = files_per_rank
         self.cached: Optional[CachedPlan] = None
 
-    def plan(self, coord: Coordinator, specs: List[TensorSpec], aliases: Dict[str, str],
-             failure: Optional[RankFailure], what: str, generation: int = 0, target: str = "",
-             meanwhile: Optional[Callable[[CachedPlan], None]] = None) -> Agreed:
+    def plan(self, coord: Coordinator, structure: Structure, failure: Optional[RankFailure], what: str, *,
+             generation: int = 0, target: str = "", meanwhile: Optional[Callable[[CachedPlan], None]] = None) -> Agreed:
         """This rank's plan, agreed. Every rank's `failure` reaches every rank as one SaveError,
         and so does a `target` (the path saved to) that differs between ranks. `generation`: the
         coordinator's choice of file names (others pass 0); it rides on the same all-reduce, as
         the target's digest does. `meanwhile(cached)` runs while the ranks agree, when this
         rank's own cached plan holds (the caller may start copying with it)."""
-        runs = spec_runs(specs)
-        key = hashlib.sha256(pickle.dumps((runs, sorted(aliases.items()), self.files_per_rank))).digest()
+        runs = spec_runs(structure.specs)
+        key = hashlib.sha256(pickle.dumps((runs, sorted(structure.aliases.items()), sorted(structure.objects),
+                                           self.files_per_rank))).digest()
         stale = self.cached is None or self.cached.key != key
         run = None
         if meanwhile is not None and not stale and failure is None:
@@ -78,19 +88,19 @@ class PlanCache:
             coord.agree(failure, what=what, then=then, default=SaveError)
         if not any_stale:
             return Agreed(self.cached, True, generation)
-        gathered: List[PlanRequest] = coord.gather(PlanRequest(specs, aliases, runs))
-        replies = None
+        gathered: List[PlanRequest] = coord.gather(PlanRequest(structure, runs))
+        plan, replies = None, None
         if coord.is_coordinator:
             try:
-                plan = plan_save([g.specs for g in gathered], files_per_rank=self.files_per_rank,
-                                 aliases={k: v for g in gathered for k, v in g.aliases.items()},
+                plan = plan_save([g.structure.specs for g in gathered], files_per_rank=self.files_per_rank,
+                                 aliases={k: v for g in gathered for k, v in g.structure.aliases.items()},
                                  digests=[g.runs for g in gathered])
-                replies = [PlanReply(None, w, plan.balance) for w in plan.writes]
+                objects = assign_objects([g.structure.objects for g in gathered])
+                replies = [PlanReply(None, w, o, plan.balance) for w, o in zip(plan.writes, objects)]
             except Exception as exc:
                 replies = [PlanReply(RankFailure.of(coord.rank, exc), [])] * coord.world_size
         reply: PlanReply = coord.scatter(replies)
         if reply.failure is not None:
             raise failure_error([reply.failure], f"planning {what}", then, SaveError)
-        self.cached = CachedPlan(key, reply.writes, plan if coord.is_coordinator else None,
-                                 reply.balance)
+        self.cached = CachedPlan(key, reply.writes, reply.objects, plan, reply.balance)
         return Agreed(self.cached, False, generation)

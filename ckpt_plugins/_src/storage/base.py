@@ -41,6 +41,12 @@ class Storage(ABC):
         the page cache; None when it never does. Loads then stage reads in aligned memory."""
         return None
 
+    @property
+    def identity(self) -> str:
+        """What names this checkpoint alike on every rank (the ranks of one save or load must agree
+        on it): its path, unless each host keeps its own copy under its own path."""
+        return str(self)
+
     def read_parallelism(self, default: int) -> int:
         """How many reads to keep in flight: `default` (more than the cores, since reads mostly wait
         on a device). Storage in memory overrides it: its reads are copies, CPU-bound."""

@@ -88,6 +88,17 @@ def place(sizes: Sequence[int], names: Sequence[str]) -> Tuple[List[Placement], 
     return placed, used
 
 
+def assign_objects(held: Sequence[Sequence[str]]) -> List[List[str]]:
+    """Which replicated objects each rank writes (`held[rank]`: the keys it holds): each key once,
+    by the first rank holding it (a pipeline stage's objects are held by its ranks alone)."""
+    taken, out = set(), []
+    for keys in held:
+        mine = [k for k in keys if k not in taken]
+        taken.update(mine)
+        out.append(mine)
+    return out
+
+
 def data_file_names(rank: int, count: int) -> List[str]:
     return [f"{DATA_DIR}/r{rank}-{i}.bin" for i in range(count)]
 

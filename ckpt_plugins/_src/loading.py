@@ -76,7 +76,7 @@ class Load:
     def _request(self, planned: list) -> LoadRequest:
         """This rank's metadata, handlers' items and load plan, as what it tells the others
         (`planned` gets the time it was done)."""
-        recorder, request = self.recorder, LoadRequest(host=shm.host_key(), path=str(self.storage))
+        recorder, request = self.recorder, LoadRequest(host=shm.host_key(), path=self.storage.identity)
         with recorder.phase("metadata"):
             self.metadata = metadata = read_metadata(self.storage)
             check_files(self.storage, metadata)

@@ -65,15 +65,20 @@ class _FileWriter(Writer):
 class LocalStorage(Storage):
     """A POSIX directory. Every name is resolved and checked to stay inside the root."""
 
-    def __init__(self, root: str, direct_io: bool = True):
+    def __init__(self, root: str, direct_io: bool = True, identity: Optional[str] = None):
         self.root = os.path.abspath(root)
         self.direct_io = direct_io
+        self._identity = identity  # a host's own copy of a checkpoint the ranks name alike
 
     def __str__(self) -> str:
         return self.root
 
     def __repr__(self) -> str:
         return f"LocalStorage({self.root!r})"
+
+    @property
+    def identity(self) -> str:
+        return self._identity or self.root
 
     def path(self, name: str) -> str:
         full = os.path.realpath(os.path.join(self.root, name))
