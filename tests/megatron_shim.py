@@ -1,7 +1,7 @@
 """Test-only shim that lets megatron-core 0.19.2 run on a CPU-only torch build.
 
 Call ``install()`` in every rank (spawned process) before importing any megatron module; it is
-idempotent. What it changes, and why (see /work/shared/FACTS.md, "Megatron-core 0.19.2 on CPU"):
+idempotent. What it changes, and why (each is a CPU stand-in for a CUDA call Megatron makes):
 
 * triton: megatron imports ``triton`` unconditionally from
   ``megatron.core.transformer.moe.ops.paged_stash`` (reached from ``pipeline_parallel.schedules``,

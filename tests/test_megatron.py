@@ -5,6 +5,7 @@ training goes on with the losses of the uninterrupted run. Logits agree with tra
 LlamaForCausalLM in both directions."""
 import json
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -60,6 +61,15 @@ def save_worker(rank, world, root):
         mu.destroy()
 
 
+class Reload(NamedTuple):
+    """A saved checkpoint (a key of SAVES) reloaded at this TP x PP, with or without the
+    distributed optimizer."""
+    saved: str
+    tp: int
+    pp: int
+    distributed: bool
+
+
 def load_worker(rank, world, root, cases):
     import megatron_util as mu
     for name, tp, pp, distributed in cases:
@@ -86,14 +96,14 @@ def saved(tmp_path_factory):
 
 
 def test_distributed_optimizer_checkpoints_reload_at_tp2pp2_and_tp1dp4(saved):
-    run_ranks(4, load_worker, saved, [("tp2pp2_bf16", 2, 2, True), ("tp2dp2_fp32", 1, 1, True),
-                                      ("tp2pp2_bf16", 1, 1, True), ("tp2dp2_fp32", 2, 2, True)])
+    run_ranks(4, load_worker, saved, [Reload("tp2pp2_bf16", 2, 2, True), Reload("tp2dp2_fp32", 1, 1, True),
+                                      Reload("tp2pp2_bf16", 1, 1, True), Reload("tp2dp2_fp32", 2, 2, True)])
 
 
 def test_distributed_optimizer_checkpoints_reload_at_tp1pp2_and_tp1(saved):
-    run_ranks(2, load_worker, saved, [("tp2pp2_bf16", 1, 2, True), ("tp2dp2_fp32", 1, 2, True),
-                                      ("tp2dp2_fp32", 1, 1, False), ("tp2pp2_bf16", 1, 1, False)])
+    run_ranks(2, load_worker, saved, [Reload("tp2pp2_bf16", 1, 2, True), Reload("tp2dp2_fp32", 1, 2, True),
+                                      Reload("tp2dp2_fp32", 1, 1, False), Reload("tp2pp2_bf16", 1, 1, False)])
 
 
 def test_distributed_optimizer_checkpoints_reload_on_one_process(saved):
-    run_ranks(1, load_worker, saved, [("tp2pp2_bf16", 1, 1, False), ("tp2dp2_fp32", 1, 1, True)])
+    run_ranks(1, load_worker, saved, [Reload("tp2pp2_bf16", 1, 1, False), Reload("tp2dp2_fp32", 1, 1, True)])

@@ -32,7 +32,7 @@ class Checkpointer:
 
     `threads`: writer threads (and data files) per rank. `read_threads`: concurrent reads per rank;
     more than the cores, since reads mostly wait on the device and it serves deeper queues faster
-    (1 -> 4 threads took a 1 GiB cold load from 2.1-2.6 s to 1.2-1.6 s here). `shared_memory`:
+    (`bench/save_load.py`). `shared_memory`:
     ranks on one host pass read-once ranges through /dev/shm rather than the process group.
     `telemetry`: record every save's and load's phases (SaveInfo/LoadResult, `telemetry.json`).
     """

@@ -1,8 +1,7 @@
 """Pausing Python's cyclic garbage collector around allocation-heavy pure work (planning at scale,
 decoding large metadata): millions of small, acyclic objects are made, and the collector's passes
-over a large heap then cost more than the work itself (bench/plan_scale.py --layout dsv3, before and
-after pausing it: the save plan at 16,384 ranks 6.6 s -> 3.6 s; decoding the 57 MB of metadata at
-1,024 ranks 8.3 s -> 3.2 s)."""
+over a large heap then cost more than the work itself (`bench/plan_scale.py --layout dsv3` shows
+the plans and the metadata decoding with it)."""
 from __future__ import annotations
 
 import functools

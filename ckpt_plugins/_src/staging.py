@@ -1,8 +1,8 @@
 """The staging pool: reusable host buffers that snapshots copy into.
 
-Allocated once, touched, page aligned, and reused: copying into touched memory ran 4-8x faster
-here than cloning into fresh memory (page faults), and aligned buffers let the local backend
-write with O_DIRECT. Two slots alternate so a save can snapshot while the previous one writes;
+Allocated once, touched, page aligned, and reused: copying into touched memory is several times
+faster than cloning into fresh memory (page faults; `bench/snapshot_copy.py`), and aligned buffers
+let the local backend write with O_DIRECT. Two slots alternate so a save can snapshot while the previous one writes;
 the total never exceeds the cap. Pinned when tensors live on a GPU.
 """
 from __future__ import annotations

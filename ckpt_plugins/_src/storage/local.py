@@ -16,8 +16,8 @@ from .stream import address
 class _FileWriter(Writer):
     """Sequential writer; page-aligned pieces of page-aligned buffers go through O_DIRECT.
 
-    O_DIRECT writes from the aligned staging buffers ran 2.4-9x faster than buffered writes plus
-    fsync on this kind of machine. Filesystems without O_DIRECT (tmpfs) and unaligned tails use
+    O_DIRECT writes from the aligned staging buffers run several times faster than buffered writes
+    plus fsync (`bench/save_load.py` prints the write limit both ways). Filesystems without O_DIRECT (tmpfs) and unaligned tails use
     the buffered descriptor; fsync at close covers both.
     """
 
@@ -101,7 +101,7 @@ class LocalStorage(Storage):
 
     def read_into(self, name: str, offset: int, buffer) -> None:
         """Bytes at `offset` into `buffer`: the page-aligned body of an aligned range with O_DIRECT
-        (2-3x faster cold reads here, at a sixth of the CPU time, than through the page cache),
+        (faster cold reads, at a fraction of the CPU time, than through the page cache),
         the rest, and filesystems without direct I/O, buffered."""
         view = memoryview(buffer).cast("B")
         path = self.path(name)

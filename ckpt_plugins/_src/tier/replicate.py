@@ -3,8 +3,7 @@ checkpoint's background group, in pieces through two reusable buffers on each si
 read (or written) while the previous one is on the wire.
 
 Pieces, not the files' own mappings: sending from and receiving into mapped shared-memory files
-faulted in every page on the way (bench/memory_tier.py: a memory save's background part, 552 MiB
-each way, took 4.0-4.4 s with the mappings, 2.1-3.0 s in pieces).
+faulted in every page on the way (`bench/memory_tier.py` times a memory save's background part).
 """
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ class TierStorage(Storage):
         return self.local.identity
 
     def read_parallelism(self, default: int) -> int:
-        # copies from shared memory, CPU-bound: more threads than cores only contend (the 2 -> 1
-        # recovery of bench/memory_tier.py loaded in 0.163 s with 4 threads on 2 cores, 0.147 s with 2)
+        # copies from shared memory, CPU-bound: more threads than cores only contend
+        # (bench/memory_tier.py's recovery)
         return max(1, min(default, len(os.sched_getaffinity(0))))
 
     def readers(self, name: str) -> Optional[Sequence[int]]:
