@@ -116,7 +116,7 @@ def cmd_cleanup(args) -> int:
 def cmd_trace(args) -> int:
     """Report, heatmap and trace of a checkpoint's save; `--history` over a run's root."""
     import os
-    from . import trace
+    from ._src import trace
     from ._src.telemetry import HISTORY_FILE
     storage = storage_for(args.path)
     name = os.path.basename(str(args.path).rstrip("/")) or "checkpoint"
