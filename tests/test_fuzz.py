@@ -49,7 +49,7 @@ def valid(tmp_path_factory):
     return path
 
 
-PACKAGE = os.path.dirname(os.path.realpath(cp.__file__))
+TRUSTED = tuple(os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(cp.__file__)))
 
 
 class FileAudit:
@@ -68,7 +68,7 @@ class FileAudit:
         if cls.active and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
             path = os.path.realpath(os.fsdecode(args[0]))
             # Formatting a failing rank's traceback reads the package's own sources: not an escape.
-            if not path.startswith((cls.inside, sys.prefix, sys.base_prefix, "/proc", "/dev", PACKAGE)):
+            if not path.startswith((cls.inside, "/proc", "/dev") + TRUSTED):
                 cls.escapes.append(path)
 
 

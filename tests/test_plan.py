@@ -88,10 +88,10 @@ def test_big_replicated_boxes_are_split_across_their_holders():
 
 
 def test_read_once_assignment_reads_every_shared_range_once():
-    from ckpt_plugins._src.plan import assign_transfers
+    from ckpt_plugins._src.plan import ReadRequest as R, assign_transfers
     rows = lambda a, n: (((a, 0), (n, 4)),)  # the regions a rank wants from a stored (25, 4) box
-    reqs = [[("f", 0, 0, 100, rows(0, 25)), ("f", 200, 0, 50, rows(0, 12))], [("f", 0, 0, 60, rows(0, 15))],
-            [("f", 0, 40, 100, rows(10, 15))], [("g", 0, 0, 8, rows(0, 2))]]
+    reqs = [[R("f", 0, 0, 100, rows(0, 25)), R("f", 200, 0, 50, rows(0, 12))], [R("f", 0, 0, 60, rows(0, 15))],
+            [R("f", 0, 40, 100, rows(10, 15))], [R("g", 0, 0, 8, rows(0, 2))]]
     out = assign_transfers(reqs)
     assert set(out.transfers) == {("f", 0)} and out.shared == 1  # items one rank needs stay with that rank
     t = out.transfers[("f", 0)]
@@ -104,10 +104,11 @@ def test_read_once_assignment_reads_every_shared_range_once():
 def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
     """Replicas request the same weights and each its own optimizer shard: handled by runs
     (`runs_of`), the assignment is the one made rank by rank."""
-    from ckpt_plugins._src.plan import assign_transfers, runs_of
+    from ckpt_plugins._src.plan import ReadRequest as R, assign_transfers, runs_of
     rows = lambda a, n: (((a, 0), (n, 4)),)  # noqa: E731
-    weights = [("w", 64 * i, 0, 64, rows(0, 4)) for i in range(3)]
-    reqs = [weights + [("o", 96 * r, 0, 32, rows(r, 1)), ("o", 96 * ((r + 1) % 4), 32, 64, rows(r, 1))] for r in range(4)]
+    weights = [R("w", 64 * i, 0, 64, rows(0, 4)) for i in range(3)]
+    reqs = [weights + [R("o", 96 * r, 0, 32, rows(r, 1)), R("o", 96 * ((r + 1) % 4), 32, 64, rows(r, 1))]
+            for r in range(4)]
     keys = ["model/w"] * 3 + ["optim/o"] * 2
     runs = [runs_of(keys, r) for r in reqs]
     assert len({r[0] for r in runs}) == 1 and len({r[1] for r in runs}) == 4

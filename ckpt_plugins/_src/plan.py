@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 import math
 import operator
 import pickle
@@ -126,27 +127,20 @@ def spec_runs(specs: Sequence[TensorSpec]) -> List[Run]:
     return runs_of([s.key for s in specs], specs)
 
 
-class _Span(NamedTuple):
-    """Items [start, end) of a rank's list, planned as the run `ident` (equal idents: equal items)."""
-    ident: object
-    start: int
-    end: int
-
-
-def _spans(items: Sequence, digest) -> List[_Span]:
-    """The spans a rank's specs or read requests are planned in: one per run (`digest` a list of
-    runs), the whole list (one digest), or the list itself (None: no digests)."""
+def _spans(items: Sequence, digest) -> List[Tuple[object, int, int]]:
+    """The spans a rank's specs or read requests are planned in, as (ident, start, end): items
+    [start, end) planned as the run `ident` (equal idents: equal items). One per run (`digest` a
+    list of runs), the whole list (one digest), or the list itself (None: no digests). Plain
+    tuples, unpacked where they are made: there are millions at scale (`bench/plan_scale.py`)."""
     if digest is None:
-        return [_Span(tuple(items), 0, len(items))]
+        return [(tuple(items), 0, len(items))]
     if isinstance(digest, bytes):
-        return [_Span(digest, 0, len(items))]
-    out, at = [], 0
-    for d, n in digest:
-        out.append(_Span(d, at, at + n))
-        at += n
-    if at != len(items):
-        raise ValueError(f"run digests cover {at} of {len(items)} items")
-    return out
+        return [(digest, 0, len(items))]
+    idents, counts = zip(*digest) if digest else ((), ())
+    ends = list(itertools.accumulate(counts))
+    if (ends[-1] if ends else 0) != len(items):
+        raise ValueError(f"run digests cover {ends[-1] if ends else 0} of {len(items)} items")
+    return list(zip(idents, [0] + ends[:-1], ends))
 
 
 class _Holding(NamedTuple):
@@ -173,12 +167,6 @@ class _Piece(NamedTuple):
     ranks: Tuple[int, ...]
 
 
-class _Assigned(NamedTuple):
-    index: int  # the spec's position in the writing rank's list
-    box: Box
-    nbytes: int
-
-
 @gc_paused
 def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
               aliases: Optional[Dict[str, str]] = None, digests: Optional[Sequence] = None) -> SavePlan:
@@ -200,19 +188,20 @@ def _distinct_boxes(tensors: Sequence[Sequence[TensorSpec]], digests: Optional[S
     """Every distinct non-empty box, with the runs holding it; `metas` gets each tensor's shape
     and dtype, checked to agree across ranks."""
     starts_of: Dict[object, Dict[int, int]] = {}  # run -> where it starts in each holding rank's list
-    first: Dict[object, Tuple[int, _Span]] = {}  # run -> (the rank whose specs are checked, its span)
+    first: Dict[object, Tuple[int, int, int]] = {}  # run -> (the rank whose specs are checked, start, end)
     for rank, specs in enumerate(tensors):
-        for span in _spans(specs, digests[rank] if digests else None):
-            starts_of.setdefault(span.ident, {})[rank] = span.start
-            first.setdefault(span.ident, (rank, span))
+        for ident, start, end in _spans(specs, digests[rank] if digests else None):
+            starts_of.setdefault(ident, {})[rank] = start
+            if ident not in first:
+                first[ident] = (rank, start, end)
     boxes: Dict[Tuple[str, Box], _Box] = {}
     itemsize: Dict[str, int] = {}
-    for ident, (leader, span) in first.items():
+    for ident, (leader, begin, end) in first.items():
         starts = starts_of[ident]
         specs = tensors[leader]
-        for i in range(span.start, span.end):
+        _check_specs(specs[begin:end], metas, leader)
+        for i in range(begin, end):
             spec = specs[i]
-            _check_spec(spec, metas, leader)
             count = math.prod(spec.lengths)
             if not count:
                 continue
@@ -222,23 +211,25 @@ def _distinct_boxes(tensors: Sequence[Sequence[TensorSpec]], digests: Optional[S
                 size = itemsize.get(spec.dtype)
                 if size is None:
                     size = itemsize[spec.dtype] = dtype_from_name(spec.dtype).itemsize
-                boxes[box] = _Box(count * size, _Holding(starts, i - span.start))
+                boxes[box] = _Box(count * size, _Holding(starts, i - begin))
             elif entry.holdings[-1].starts is not starts:  # the same box in another run (a rank holds it once)
-                entry.holdings.append(_Holding(starts, i - span.start))
+                entry.holdings.append(_Holding(starts, i - begin))
     return boxes
 
 
-def _check_spec(spec: TensorSpec, metas: Dict[str, TensorMeta], rank: int) -> None:
-    meta = metas.get(spec.key)
-    if meta is None:
-        meta = metas[spec.key] = TensorMeta(spec.shape, spec.dtype)
-    elif meta.shape != spec.shape or meta.dtype != spec.dtype:
-        raise ValueError(f"{spec.key}: ranks disagree on the tensor: one holds shape {list(meta.shape)} "
-                         f"{meta.dtype}, rank {rank} holds shape {list(spec.shape)} {spec.dtype}")
-    offsets, lengths = spec.offsets, spec.lengths
-    if len(offsets) != len(spec.shape) or len(lengths) != len(offsets) or not all(
-            map(operator.le, map(operator.add, offsets, lengths), spec.shape)):
-        raise ValueError(f"{spec.key}: rank {rank}'s box {spec.box} lies outside shape {list(spec.shape)}")
+def _check_specs(specs: Sequence[TensorSpec], metas: Dict[str, TensorMeta], rank: int) -> None:
+    """Each spec's box lies inside its tensor, whose shape and dtype agree with other ranks'."""
+    for spec in specs:
+        meta = metas.get(spec.key)
+        if meta is None:
+            meta = metas[spec.key] = TensorMeta(spec.shape, spec.dtype)
+        elif meta.shape != spec.shape or meta.dtype != spec.dtype:
+            raise ValueError(f"{spec.key}: ranks disagree on the tensor: one holds shape {list(meta.shape)} "
+                             f"{meta.dtype}, rank {rank} holds shape {list(spec.shape)} {spec.dtype}")
+        offsets, lengths = spec.offsets, spec.lengths
+        if len(offsets) != len(spec.shape) or len(lengths) != len(offsets) or not all(
+                map(operator.le, map(operator.add, offsets, lengths), spec.shape)):
+            raise ValueError(f"{spec.key}: rank {rank}'s box {spec.box} lies outside shape {list(spec.shape)}")
 
 
 def _pieces(boxes: Dict[Tuple[str, Box], _Box]) -> List[_Piece]:
@@ -265,35 +256,45 @@ def _pieces(boxes: Dict[Tuple[str, Box], _Box]) -> List[_Piece]:
     return pieces
 
 
+@dataclass
+class _RankWrites:
+    """What one rank writes, before placement in files: its spec index, box and size per write."""
+    indices: List[int] = field(default_factory=list)
+    boxes: List[Box] = field(default_factory=list)
+    sizes: List[int] = field(default_factory=list)
+
+
 def _assign(pieces: List[_Piece], boxes: Dict[Tuple[str, Box], _Box], world: int):
-    """Each piece to the least-loaded rank holding it, biggest first: (per rank, what it writes;
-    the bytes each rank writes)."""
+    """Each piece to the least-loaded rank holding it, biggest first: (what each rank writes; the
+    bytes each rank writes)."""
     load = LeastLoaded(world)
-    assigned: List[List[_Assigned]] = [[] for _ in range(world)]
+    assigned = [_RankWrites() for _ in range(world)]
     for piece in sorted(pieces, key=lambda p: (-p.nbytes, p.key, p.box)):
         rank = load.pick(piece.ranks)
-        index = next(h.starts[rank] + h.index for h in boxes[piece.parent].holdings if rank in h.starts)
-        assigned[rank].append(_Assigned(index, piece.box, piece.nbytes))
+        mine = assigned[rank]
+        mine.indices.append(next(h.starts[rank] + h.index for h in boxes[piece.parent].holdings if rank in h.starts))
+        mine.boxes.append(piece.box)
+        mine.sizes.append(piece.nbytes)
         load.add(rank, piece.nbytes)
     return assigned, load
 
 
-def _place(tensors: Sequence[Sequence[TensorSpec]], assigned: List[List[_Assigned]], load: "LeastLoaded",
+def _place(tensors: Sequence[Sequence[TensorSpec]], assigned: List[_RankWrites], load: "LeastLoaded",
            metas: Dict[str, TensorMeta], files_per_rank: int, aliases: Optional[Dict[str, str]]) -> SavePlan:
     """Files and byte offsets of every rank's writes, and the metadata's stored boxes."""
     writes: List[List[WriteItem]] = []
     stored: List[List[StoredBox]] = []
     files: Dict[str, int] = {}
     for rank, mine in enumerate(assigned):
-        placed, used = place([a.nbytes for a in mine], data_file_names(rank, files_per_rank))
+        placed, used = place(mine.sizes, data_file_names(rank, files_per_rank))
         files.update(used)
-        writes.append([WriteItem(a.index, a.box, f, o) for a, (f, o) in zip(mine, placed)])
-        entries = []
-        for a, (f, o) in zip(mine, placed):
-            offsets, lengths = a.box
-            entry = StoredBox(file=f, offset=o, nbytes=a.nbytes, crc32c=[], offsets=offsets, lengths=lengths)
-            metas[tensors[rank][a.index].key].boxes.append(entry)
+        items, entries = [], []
+        for index, box, nbytes, (f, o) in zip(mine.indices, mine.boxes, mine.sizes, placed):
+            items.append(WriteItem(index, box, f, o))
+            entry = StoredBox(file=f, offset=o, nbytes=nbytes, crc32c=[], offsets=box[0], lengths=box[1])
+            metas[tensors[rank][index].key].boxes.append(entry)
             entries.append(entry)
+        writes.append(items)
         stored.append(entries)
     for meta in metas.values():
         meta.boxes.sort(key=lambda b: b.offsets)
@@ -486,11 +487,9 @@ class Assignment:
 
 
 class _Need(NamedTuple):
-    """Ranks that request a stored item alike (one run of theirs), the range and the regions."""
+    """Ranks that request a stored item alike (one run of theirs), and the request."""
     ranks: List[int]
-    start: int
-    end: int
-    regions: Tuple[Box, ...]
+    request: ReadRequest
 
 
 class _Shared(NamedTuple):
@@ -518,11 +517,12 @@ def assign_transfers(requests: Sequence[Sequence[ReadRequest]], digests: Optiona
     load = LeastLoaded(len(requests))
     shared: List[_Shared] = []
     for item, users in needs.items():
-        only = users[0].ranks[0] if len(users) == 1 and len(users[0].ranks) == 1 else None
-        if only is not None and (able.get(item.file) is None or only in able[item.file]):
-            load.add(only, users[0].end - users[0].start)
+        ranks, request = users[0]
+        if len(users) == 1 and len(ranks) == 1 and (able.get(request.file) is None or ranks[0] in able[request.file]):
+            load.add(ranks[0], request.end - request.start)
         else:
-            shared.append(_Shared(min(u.start for u in users), max(u.end for u in users), item))
+            shared.append(_Shared(min(u.request.start for u in users), max(u.request.end for u in users),
+                                  StoredItem(*item)))
     out: Dict[StoredItem, Transfer] = {}
     needer_sets: Dict[Tuple[int, ...], Tuple[Tuple[int, ...], frozenset]] = {}  # by the runs needing an item
     for tag, s in enumerate(sorted(shared, key=lambda x: (x.start - x.end, x.item))):
@@ -542,37 +542,38 @@ def assign_transfers(requests: Sequence[Sequence[ReadRequest]], digests: Optiona
             reader = load.pick(needers)
         load.add(reader, s.end - s.start)
         if rank is None or rank in cached[1] or rank == reader:
-            out[s.item] = Transfer(reader, needers, tuple(u.regions for u in users for _ in u.ranks), s.start, s.end,
-                                   tag)
+            out[s.item] = Transfer(reader, needers, tuple(u.request.regions for u in users for _ in u.ranks),
+                                   s.start, s.end, tag)
     return Assignment(out, len(shared))
 
 
-def _needs(requests: Sequence[Sequence[ReadRequest]], digests: Optional[Sequence]) -> Dict[StoredItem, List[_Need]]:
+def _needs(requests: Sequence[Sequence[ReadRequest]], digests: Optional[Sequence]) -> Dict[Tuple[str, int], List[_Need]]:
     """Who needs each stored item, by the runs of requests ranks hold alike (each run read once)."""
-    groups: Dict[object, Tuple[List[int], int, _Span]] = {}  # run -> (ranks holding it, a holder, its span)
+    groups: Dict[object, Tuple[List[int], int, int, int]] = {}  # run -> (ranks holding it, a holder, start, end)
     for r, reqs in enumerate(requests):
-        for span in _spans(reqs, digests[r] if digests else None):
-            group = groups.get(span.ident)
+        for ident, start, end in _spans(reqs, digests[r] if digests else None):
+            group = groups.get(ident)
             if group is None:
-                groups[span.ident] = ([r], r, span)
+                groups[ident] = ([r], r, start, end)
             else:
                 group[0].append(r)
-    needs: Dict[StoredItem, List[_Need]] = {}
-    for ranks, leader, span in groups.values():
-        for file, offset, start, end, regions in requests[leader][span.start:span.end]:
-            needs.setdefault(StoredItem(file, offset), []).append(_Need(ranks, start, end, regions))
+    # keyed by plain (file, offset) tuples, equal to StoredItems: there are millions at scale
+    needs: Dict[Tuple[str, int], List[_Need]] = {}
+    for ranks, leader, begin, finish in groups.values():
+        for request in requests[leader][begin:finish]:
+            needs.setdefault(request[:2], []).append(_Need(ranks, request))
     return needs
 
 
-def _able(needs: Dict[StoredItem, List[_Need]],
+def _able(needs: Dict[Tuple[str, int], List[_Need]],
           readers: Optional[Callable[[str], Optional[Sequence[int]]]]) -> Dict[str, Optional[Tuple[int, ...]]]:
     """The ranks that can read each needed file (None: every rank)."""
     able: Dict[str, Optional[Tuple[int, ...]]] = {}
     if readers is not None:
-        for item in needs:
-            if item.file not in able:
-                found = readers(item.file)
-                able[item.file] = None if found is None else tuple(sorted(found))
+        for file, _ in needs:
+            if file not in able:
+                found = readers(file)
+                able[file] = None if found is None else tuple(sorted(found))
     return able
 
 
