@@ -42,6 +42,18 @@ def train_step(model, opt, step: int) -> float:
     return total.item() / batch(step).shape[0]
 
 
+def accelerate_step(accelerator, model, opt, sched, step: int) -> float:
+    """One step through accelerate on this process's rows of global batch `step` (every n-th);
+    returns the global batch's mean loss."""
+    ids = batch(step)[accelerator.process_index::accelerator.num_processes]
+    loss = model(input_ids=ids, labels=ids).loss
+    accelerator.backward(loss)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    return accelerator.gather(loss.detach().reshape(1)).mean().item()
+
+
 def canonical(name: str) -> str:
     from ckpt_plugins._src.state import canonical_name
     return canonical_name(name.replace("module.", "", 1) if name.startswith("module.") else name)

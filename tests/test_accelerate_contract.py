@@ -9,7 +9,7 @@ import shutil
 import torch
 
 from distributed import run_env_ranks
-from hf_models import batch, tiny_llama
+from hf_models import accelerate_step, tiny_llama
 
 
 class Counter:
@@ -49,14 +49,9 @@ def run(rank, world, project, plugin, resume, snapshot, result_path):
         accelerator.project_configuration.iteration = 2  # as a user resuming with automatic naming does
         first = 4
     for i in range(first, 6):
-        ids = batch(i)[rank::world]
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        loss = accelerate_step(accelerator, model, opt, sched, i)
         counter.seen += 1
-        log[i] = (accelerator.gather(loss.detach().reshape(1)).mean().item(), sched.get_last_lr())
+        log[i] = (loss, sched.get_last_lr())
         if i % 2 == 1:
             accelerator.save_state()
             if i == 3 and snapshot and rank == 0:

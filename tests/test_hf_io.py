@@ -10,7 +10,7 @@ import ckpt_plugins as cp
 from ckpt_plugins._src.storage import storage_for
 from ckpt_plugins._src.trace import load_telemetry
 from distributed import run_env_ranks
-from hf_models import assert_same, batch, full_state, tiny_llama, train_step
+from hf_models import accelerate_step, assert_same, batch, full_state, tiny_llama, train_step
 
 BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
 
@@ -117,13 +117,7 @@ def accelerate_run(rank, world, path, ref_path, resume):
     model, opt, sched = accelerator.prepare(model, opt, sched)
 
     def step(i):  # returns the global batch's mean loss
-        ids = batch(i)[rank::world]
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        return accelerator.gather(loss.detach().reshape(1)).mean().item()
+        return accelerate_step(accelerator, model, opt, sched, i)
 
     from test_data_state import loader
     data = cp.DataState(loader(rank, world, 4 // world))  # a global batch of 4 on any process count
