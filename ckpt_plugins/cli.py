@@ -11,6 +11,7 @@ from ._src.committed import check_files, read_metadata
 from ._src.engine.read import read_checked
 from ._src.errors import CheckpointError, IncompleteCheckpointError
 from ._src.format import Metadata
+from ._src.optional import MissingDependency
 from ._src.progress import progress_bar
 from ._src.storage import storage_for
 
@@ -113,6 +114,16 @@ def cmd_cleanup(args) -> int:
     return 0
 
 
+def _plot(what: str, draw, png: str) -> None:
+    """Draw a PNG, or say which install draws it: the report and trace need no plotting library."""
+    try:
+        draw(png)
+    except MissingDependency as exc:
+        print(f"{what}: not drawn ({exc})")
+        return
+    print(f"{what}: {png}")
+
+
 def cmd_trace(args) -> int:
     """Report, heatmap and trace of a checkpoint's save; `--history` over a run's root."""
     import os
@@ -126,9 +137,7 @@ def cmd_trace(args) -> int:
             raise ValueError(f"{storage} has no {HISTORY_FILE}: point --history at a CheckpointManager root")
         rows = trace.read_history(storage.read_bytes(HISTORY_FILE))
         print(trace.history_table(rows))
-        png = os.path.join(args.out, f"{name}-history.png")
-        trace.history_plot(rows, png)
-        print(f"plot: {png}")
+        _plot("plot", lambda png: trace.history_plot(rows, png), os.path.join(args.out, f"{name}-history.png"))
         return 0
     if not storage.exists(trace.TELEMETRY_FILE):
         hint = (" (it is a run's root: pass --history, or a step directory)" if storage.exists(HISTORY_FILE)
@@ -136,16 +145,13 @@ def cmd_trace(args) -> int:
         raise ValueError(f"{storage} has no {trace.TELEMETRY_FILE}{hint}")
     doc = trace.load_telemetry(storage)
     print(trace.report(doc))
-    steps = [("heatmap", f"{name}-heatmap.png"), ("trace", f"{name}-trace.json")]
-    from tqdm import tqdm
-    for what, file in tqdm(steps, desc="rendering", leave=False, disable=not sys.stderr.isatty()):
-        out = os.path.join(args.out, file)
-        if what == "heatmap":
-            trace.heatmap(doc["ranks"], out, title=f"{doc.get('op', 'save')} of {name}: seconds per rank and phase")
-        else:
-            with open(out, "w") as f:
-                json.dump(trace.chrome_trace(doc["ranks"]), f)
-        print(f"{what}: {out}")
+    out = os.path.join(args.out, f"{name}-trace.json")
+    with open(out, "w") as f:
+        json.dump(trace.chrome_trace(doc["ranks"]), f)
+    print(f"trace: {out}")
+    title = f"{doc.get('op', 'save')} of {name}: seconds per rank and phase"
+    _plot("heatmap", lambda png: trace.heatmap(doc["ranks"], png, title=title),
+          os.path.join(args.out, f"{name}-heatmap.png"))
     return 0
 
 
@@ -178,7 +184,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, ValueError) as exc:
+    except (CheckpointError, ValueError, MissingDependency) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

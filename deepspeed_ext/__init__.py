@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from ckpt_plugins.ext import require
+
 from .engine import add_state, engine_state, enable
 from .zero import DeepSpeedModel, DeepSpeedOptimizer
+
+INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation 'ckpt_plugins[deepspeed]'"
 
 BACKEND = "bytecheckpoint"
 
@@ -41,7 +45,7 @@ def _activate(result):
 
 def initialize(*args, **kwargs):
     """`deepspeed.initialize`, then ckpt_plugins checkpointing when the config asks for it."""
-    import deepspeed
+    deepspeed = require("deepspeed", "deepspeed_ext", INSTALL)
     return _activate(_native_initialize(deepspeed)(*args, **kwargs))
 
 
@@ -52,7 +56,7 @@ def _native_initialize(deepspeed):
 def install() -> None:
     """Make `deepspeed.initialize` itself activate ckpt_plugins (for callers you do not control,
     such as the HF Trainer). Idempotent."""
-    import deepspeed
+    deepspeed = require("deepspeed", "deepspeed_ext", INSTALL)
     if hasattr(deepspeed.initialize, "_ckpt_plugins_native"):
         return
     native = deepspeed.initialize

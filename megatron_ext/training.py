@@ -29,8 +29,8 @@ import os
 from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import (FAMILIES, HF_CONFIG, Handler, LoadItems, SaveHooks, SaveItems, read_pointer, storage_for,
-                              take_finished)
+from ckpt_plugins.ext import (FAMILIES, HF_CONFIG, Handler, LoadItems, SaveHooks, SaveItems, read_pointer, require,
+                              storage_for, take_finished)
 
 from .family import OWN_NAMES
 from .gpt import MegatronModel, MegatronOptimizer, hf_config_json
@@ -317,6 +317,7 @@ def _update_microbatches(consumed: int) -> None:
 def install() -> None:
     """Route Megatron's save_checkpoint/load_checkpoint through ckpt_plugins when the run has
     `--ckpt-backend bytecheckpoint`. Idempotent."""
+    require("megatron.training", "megatron_ext", "pip install --no-deps megatron-core (README: Megatron-core)")
     from megatron.training import checkpointing, get_args, training
 
     if getattr(checkpointing.save_checkpoint, "ckpt_plugins", False):

@@ -64,3 +64,40 @@ def test_verify_passes_then_names_the_corrupt_key_and_file(tmp_path):
 def test_cli_errors_are_one_clear_line(tmp_path):
     out = bcp("verify", tmp_path / "nothing")
     assert out.returncode == 1 and out.stderr.startswith("error: ") and "not a ckpt_plugins checkpoint" in out.stderr
+
+
+def without(*modules):
+    """`bcp` in a Python where `modules` are not installed (an import of them fails as if absent)."""
+    blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in modules)
+    return [sys.executable, "-c", f"import sys; {blocked}; from ckpt_plugins.cli import main; sys.exit(main(sys.argv[1:]))"]
+
+
+def test_a_missing_optional_dependency_is_one_line_naming_its_install(tmp_path, monkeypatch):
+    from ckpt_plugins.ext import MissingDependency
+    out = subprocess.run([*without("s3fs"), "inspect", "s3://bucket/ckpt"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("error: s3://bucket/ckpt needs s3fs") and "pip install 'ckpt_plugins[s3]'" in out.stderr
+    import deepspeed_ext
+    import megatron_ext.training
+    for module, call, install in (("deepspeed", deepspeed_ext.initialize, "'ckpt_plugins[deepspeed]'"),
+                                  ("deepspeed", deepspeed_ext.install, "'ckpt_plugins[deepspeed]'"),
+                                  ("megatron", megatron_ext.training.install, "megatron-core")):
+        with monkeypatch.context() as patch:
+            patch.setitem(sys.modules, module, None)
+            try:
+                call()
+                raise AssertionError(f"{call.__qualname__} ran without {module}")
+            except MissingDependency as exc:
+                assert str(exc).startswith(f"{call.__module__.split('.')[0]} needs {module}") and install in str(exc)
+                assert isinstance(exc, ModuleNotFoundError) and exc.name == module
+
+
+def test_an_installed_package_that_fails_to_import_keeps_its_own_error(tmp_path, monkeypatch):
+    from ckpt_plugins.ext import MissingDependency, require
+    (tmp_path / "half_installed.py").write_text("import a_module_nobody_has\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        require("half_installed", "a feature")
+        raise AssertionError("imported")
+    except ModuleNotFoundError as exc:
+        assert not isinstance(exc, MissingDependency) and exc.name == "a_module_nobody_has"

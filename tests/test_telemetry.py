@@ -21,6 +21,7 @@ from ckpt_plugins._src.storage import storage_for
 from ckpt_plugins._src.telemetry import HISTORY_FILE, TELEMETRY_FILE, RankTelemetry
 from distributed import run_env_ranks, run_ranks
 from faults import Armed, state, values
+from test_cli import without
 
 BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
 SLOW = 2  # the rank whose writes are slow
@@ -75,6 +76,17 @@ def test_a_slow_rank_is_named_the_straggler_of_its_phase_and_the_outputs_parse(t
     assert got.returncode == 0, got.stderr
     assert len([line for line in got.stdout.splitlines() if line.split()[:2] in (["1", "save"], ["2", "save"])]) == 2
     assert (out / "run-history.png").read_bytes()[:4] == b"\x89PNG"
+    # without matplotlib: the report, the table and the trace as before; the plots name their install
+    bare = tmp_path / "bare"
+    for args, made, printed in (([str(step)], ["step_2-trace.json"], f"straggler: rank {SLOW} in write"),
+                                ([str(root), "--history"], ["step_2-trace.json"], "commit s")):
+        got = subprocess.run([*without("matplotlib"), "trace", *args, "--out", str(bare)], capture_output=True,
+                             text=True)
+        assert got.returncode == 0, got.stderr
+        assert printed in got.stdout
+        assert "not drawn (bcp trace's plots needs matplotlib" in got.stdout
+        assert "pip install 'ckpt_plugins[trace]'" in got.stdout
+        assert sorted(os.listdir(bare)) == made
 
 
 def replicated_load_worker(rank, world, path, out):

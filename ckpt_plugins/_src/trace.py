@@ -8,6 +8,7 @@ import json
 import statistics
 from typing import Any, Dict, List, Sequence, Tuple
 
+from .optional import require
 from .telemetry import TELEMETRY_FILE, WAITING, RankTelemetry, read_records
 
 SAVE_PHASES = ("plan", "lock", "staging", "snapshot", "write", "checksum", "metadata_write", "commit_wait")
@@ -100,12 +101,18 @@ def _read_once(ranks: Sequence[RankTelemetry]) -> str:
             f"shared memory, {group / 2**20:.1f} over the group)")
 
 
+def _pyplot():
+    """matplotlib's pyplot, drawing to files (the only part of `bcp trace` that needs it)."""
+    matplotlib = require("matplotlib", "bcp trace's plots")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def heatmap(ranks: Sequence[RankTelemetry], out_png: str, title: str = "") -> None:
     """Ranks x phases, busy seconds as colour; above HOST_ROWS ranks, one row per host (the
     slowest of its ranks), labelled with the host and its rank range."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     ranks = sorted(ranks, key=lambda r: r.rank)
     phases = phases_of(ranks)
     table = seconds_table(ranks, phases)
@@ -177,9 +184,7 @@ def history_table(rows: Sequence[Dict[str, Any]]) -> str:
 
 
 def history_plot(rows: Sequence[Dict[str, Any]], out_png: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     saves = [r for r in rows if r.get("op", "save") == "save"]
     steps = [r.get("step") for r in saves]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)

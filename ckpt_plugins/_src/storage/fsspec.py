@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import CorruptCheckpointError, UnsafePathError
+from ..optional import require
 from .base import Storage, Writer
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,9 @@ def redact(url: str) -> str:
 
 class FsspecStorage(Storage):
     def __init__(self, url: str, retries: int = 6, backoff: float = 0.25, max_backoff: float = 8.0, **options):
-        import fsspec
+        fsspec = require("fsspec", f"{redact(url)}")
+        if url.startswith("s3://"):
+            require("s3fs", f"{redact(url)}")
         parts = urlsplit(url)
         if parts.username is not None or parts.password is not None:
             # a URL ends up in logs and error messages: credentials belong in the environment or config

@@ -1,0 +1,91 @@
+"""Every format version ever written keeps loading: checkpoints written by earlier releases are
+shipped in tests/fixtures/format_v<N>/ and load bit for bit into today's code, resharded (two
+ranks' rows into one process), and pass `bcp verify`.
+
+A fixture is written once, by the release that introduced its version, and never rewritten:
+`python tests/test_format_versions.py tests/fixtures/format_v<N>` (2 ranks)."""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import ckpt_plugins as cp
+from ckpt_plugins.cli import main as bcp
+from ckpt_plugins.ext import LoadItems, SaveItems, box_fragment
+
+FIXTURES = Path(__file__).parent / "fixtures"
+VERSIONS = [1]
+# denormal, NaN payloads (quiet, signalling), -0.0: values torch.equal cannot tell apart or calls unequal
+SPECIALS = torch.tensor([1, 0x7FC00001, 0x7F800001, -(1 << 31)], dtype=torch.int32).view(torch.float32)
+
+
+def values() -> dict:
+    """What every fixture holds (no arithmetic, so any torch gives the same bits)."""
+    g = torch.Generator().manual_seed(1)
+    return {"rows": torch.randn(6, 5, generator=g), "bf16": torch.randn(3, 4, generator=g).to(torch.bfloat16),
+            "ints": torch.arange(-5, 7, dtype=torch.int64), "specials": SPECIALS.clone(),
+            "weight": torch.randn(2, 3, generator=g), "exp_avg": torch.randn(2, 3, generator=g),
+            "exp_avg_sq": torch.rand(2, 3, generator=g)}
+
+
+def model_and_optimizer(v=None):
+    model = nn.Linear(3, 2, bias=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    if v is not None:
+        with torch.no_grad():
+            model.weight.copy_(v["weight"])
+        opt.state[model.weight] = {"step": torch.tensor(3.0), "exp_avg": v["exp_avg"].clone(),
+                                   "exp_avg_sq": v["exp_avg_sq"].clone()}
+    return model, opt
+
+
+class Rows(cp.Handler):
+    """This rank's half of the rows (two ranks wrote the fixture: its tensor is in two boxes)."""
+
+    def __init__(self, tensor, rank):
+        self.tensor, self.rank = tensor, rank
+
+    def save_items(self, prefix):
+        return SaveItems(fragments=[box_fragment(prefix, (6, 5), (3 * self.rank, 0), self.tensor)])
+
+    def load_items(self, prefix, metadata):
+        return LoadItems(fragments=[box_fragment(prefix, (6, 5), (3 * self.rank, 0), self.tensor)])
+
+
+def write_fixture(rank, world, path):
+    v = values()
+    model, opt = model_and_optimizer(v)
+    cp.save(path, {"model": model, "optim": opt, "rows": Rows(v["rows"][3 * rank:3 * rank + 3], rank),
+                   "bf16": v["bf16"], "ints": v["ints"], "specials": v["specials"],
+                   "extra": {"epoch": 3, "note": "format fixture"}}, framework="torch", layout={"dp": world}, step=7)
+
+
+def test_every_format_version_ever_written_loads_bit_for_bit(tmp_path, capsys):
+    v = values()
+    for version in VERSIONS:
+        path = tmp_path / f"v{version}"
+        shutil.copytree(FIXTURES / f"format_v{version}", path)
+        meta = cp.read_metadata(str(path))
+        assert (meta.version, meta.step, meta.framework, meta.world_size) == (version, 7, "torch", 2)
+        model, opt = model_and_optimizer()
+        got = {"model": model, "optim": opt, "rows": torch.zeros(6, 5), "bf16": torch.zeros(3, 4, dtype=torch.bfloat16),
+               "ints": torch.zeros(12, dtype=torch.int64), "specials": torch.zeros(4), "extra": {"epoch": 0, "note": ""}}
+        cp.load(str(path), got)
+        for key in ("rows", "bf16", "ints"):
+            assert torch.equal(got[key], v[key]), (version, key)
+        assert torch.equal(got["specials"].view(torch.int32), SPECIALS.view(torch.int32)), version
+        assert torch.equal(model.weight, v["weight"])
+        state = opt.state[model.weight]
+        assert state["step"].item() == 3.0
+        assert torch.equal(state["exp_avg"], v["exp_avg"]) and torch.equal(state["exp_avg_sq"], v["exp_avg_sq"])
+        assert got["extra"] == {"epoch": 3, "note": "format fixture"}
+        assert bcp(["verify", str(path)]) == 0, capsys.readouterr()
+
+
+if __name__ == "__main__":
+    from distributed import run_ranks
+    run_ranks(2, write_fixture, sys.argv[1])
