@@ -12,7 +12,8 @@ else in the package is private and may change without notice.
 - Checkpoints as data: metadata, stored objects, pointers, storage backends, offline reading and
   writing (importers, exporters), data positions, the memory tier, and the agreement a step every
   rank runs after a commit goes through (`Coordinator.agreed`).
-- Optional dependencies: `require(module, what)`, whose `MissingDependency` names the install.
+- Optional dependencies: `require(module, what)`, whose `MissingDependency` names the install, and
+  `require_version` for code that relies on a version's behaviour (`UnsupportedVersion`).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from ._src.foreign import StandIn, load_pickle_restricted, load_torch_inert
 from ._src.format import DATA_DIR, Metadata, dtype_from_name, dtype_name
 from ._src.fragment import Box, FlatPiece, Fragment, Shape, box_fragment, flat_views
 from ._src.offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
-from ._src.optional import MissingDependency, require
+from ._src.optional import MissingDependency, UnsupportedVersion, require, require_version
 from ._src.options import SaveHooks
 from ._src.plan import TensorSpec, choose_source
 from ._src.progress import progress_bar
@@ -59,7 +60,7 @@ __all__ = [
     "load_pickle_restricted", "load_torch_inert", "Order", "epoch_order", "load_position", "position_items",
     "MemoryTier", "Coordinator", "SaveHooks", "take_finished", "progress_bar", "bcp",
     # optional dependencies
-    "require", "MissingDependency",
+    "require", "require_version", "MissingDependency", "UnsupportedVersion",
 ]
 
 

@@ -33,11 +33,12 @@ import shutil
 from typing import Any, Dict, List, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import take_finished
+from ckpt_plugins.ext import require_version, take_finished
 
 from .safetensors_io import HF_CONFIG
 
 log = logging.getLogger("hf_ext.accelerate")
+ACCELERATE = ("1.1", "2")  # the Accelerator internals (hooks, registered objects) this routing keeps
 
 
 class _Counters:
@@ -208,6 +209,7 @@ def _handled_models(accelerator, hooks, path: str, load: bool = False) -> List:
 def enable(accelerator, *, async_save: bool = False):
     """Make `accelerator.save_state`/`load_state` save and load through ckpt_plugins, keeping
     accelerate's folders, hooks and counters (see the module docstring). Returns the accelerator."""
+    require_version("accelerate", "accelerate", ACCELERATE, "hf_ext.accelerate")
     from accelerate.utils import DistributedType
 
     native_save, native_load = accelerator.save_state, accelerator.load_state

@@ -56,7 +56,7 @@ from typing import Any, Dict, Optional
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import Order, SaveHooks, read_object, storage_for
+from ckpt_plugins.ext import Order, SaveHooks, read_object, require_version, storage_for
 
 from .mapping import is_peft_model
 from .safetensors_io import HF_CONFIG, write_model_files
@@ -70,6 +70,7 @@ def is_ckpt_plugins_checkpoint(path: Optional[str]) -> bool:
 
 
 DATA_CHANGES = ("warn", "error")
+TRANSFORMERS = ("5", "6")  # the Trainer internals this hook replaces, and transformers 5's fused experts
 
 
 class _Integration:
@@ -332,6 +333,7 @@ def enable(trainer, *, async_save: bool = False, checkpointer: Optional[cp.Check
     `hf_weights`: write the model's HF files into each checkpoint too (from_pretrained reads it).
     `on_data_change`: "warn" (the Trainer's own fast-forward) or "error" when a resume finds the
     training data changed since its checkpoint."""
+    require_version("transformers", "transformers", TRANSFORMERS, "hf_ext.trainer")
     from transformers import TrainerCallback
 
     integration = _Integration(trainer, async_save, checkpointer, peft_base, adapters_only, hf_weights,

@@ -29,8 +29,8 @@ import os
 from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import (FAMILIES, HF_CONFIG, Handler, LoadItems, SaveHooks, SaveItems, read_pointer, require,
-                              storage_for, take_finished)
+from ckpt_plugins.ext import (FAMILIES, HF_CONFIG, Handler, LoadItems, SaveHooks, SaveItems, read_pointer,
+                              require_version, storage_for, take_finished)
 
 from .family import OWN_NAMES
 from .gpt import MegatronModel, MegatronOptimizer, hf_config_json
@@ -38,6 +38,7 @@ from .gpt import MegatronModel, MegatronOptimizer, hf_config_json
 log = logging.getLogger("megatron_ext")
 BACKEND = "bytecheckpoint"
 TRACKER = "latest_checkpointed_iteration.txt"
+SUPPORTED = ("0.19", "0.20")  # megatron-core versions whose layouts and checkpointing hooks this extension maps
 RESUMED_ARGS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
 
 
@@ -317,7 +318,8 @@ def _update_microbatches(consumed: int) -> None:
 def install() -> None:
     """Route Megatron's save_checkpoint/load_checkpoint through ckpt_plugins when the run has
     `--ckpt-backend bytecheckpoint`. Idempotent."""
-    require("megatron.training", "megatron_ext", "pip install --no-deps megatron-core (README: Megatron-core)")
+    require_version("megatron", "megatron-core", SUPPORTED, "megatron_ext",
+                    "pip install --no-deps megatron-core (README: Megatron-core)")
     from megatron.training import checkpointing, get_args, training
 
     if getattr(checkpointing.save_checkpoint, "ckpt_plugins", False):

@@ -101,3 +101,23 @@ def test_an_installed_package_that_fails_to_import_keeps_its_own_error(tmp_path,
         raise AssertionError("imported")
     except ModuleNotFoundError as exc:
         assert not isinstance(exc, MissingDependency) and exc.name == "a_module_nobody_has"
+
+
+def test_a_framework_version_outside_the_supported_range_is_refused_naming_it(monkeypatch):
+    import deepspeed_ext
+    import hf_ext.accelerate
+    import hf_ext.trainer
+    import megatron_ext.training
+    from ckpt_plugins._src import optional
+    from ckpt_plugins.ext import UnsupportedVersion
+    for distribution, call, found, supported in (
+            ("deepspeed", deepspeed_ext.initialize, "0.18.5", ">=0.19,<0.20"),
+            ("megatron-core", megatron_ext.training.install, "0.20.0rc1", ">=0.19,<0.20"),
+            ("transformers", lambda: hf_ext.trainer.enable(None), "4.57.1", ">=5,<6"),
+            ("accelerate", lambda: hf_ext.accelerate.enable(None), "2.0.0", ">=1.1,<2")):
+        monkeypatch.setattr(optional, "installed_version", lambda name: found if name == distribution else "0")
+        try:
+            call()
+            raise AssertionError(f"{distribution} {found} accepted")
+        except UnsupportedVersion as exc:
+            assert f"supports {distribution} {supported}; {found} is installed" in str(exc)

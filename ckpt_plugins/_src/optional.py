@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import importlib
+import re
+from importlib import metadata
 from types import ModuleType
+from typing import Tuple
 
 # the core's own optional modules -> the install that provides them (extensions name theirs)
 INSTALLS = {
@@ -28,3 +31,29 @@ def require(module: str, what: str, install: str = "") -> ModuleType:
             raise
         hint = install or INSTALLS.get(top, f"pip install {top}")
         raise MissingDependency(f"{what} needs {top}, which is not installed: {hint}", name=top) from None
+
+
+class UnsupportedVersion(ImportError):
+    """An installed dependency's version is outside the range whose behaviour the code relies on."""
+
+
+def installed_version(distribution: str) -> str:
+    return metadata.version(distribution)
+
+
+def _release(text: str) -> Tuple[int, ...]:
+    match = re.match(r"\d+(\.\d+)*", text)
+    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
+
+
+def require_version(module: str, distribution: str, supported: Tuple[str, str], what: str,
+                    install: str = "") -> ModuleType:
+    """`require`, then refuse a `distribution` outside `supported` = (lowest, first unsupported):
+    for code that depends on a version's behaviour (partition bookkeeping, layouts, internals)."""
+    imported = require(module, what, install)
+    found = installed_version(distribution)
+    low, high = supported
+    if not _release(low) <= _release(found) < _release(high):
+        raise UnsupportedVersion(f"{what} supports {distribution} >={low},<{high}; {found} is installed",
+                                 name=module)
+    return imported
