@@ -18,18 +18,17 @@ from ckpt_plugins.ext import require_version
 from .engine import add_state, engine_state, enable
 from .zero import DeepSpeedModel, DeepSpeedOptimizer
 
+BACKEND = "bytecheckpoint"
 INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation 'ckpt_plugins[deepspeed]'"
 SUPPORTED = ("0.19", "0.20")  # ZeRO's partition bookkeeping (_hp_mapping, grad_position) as these versions keep it
 
-
-def require_deepspeed():
-    """deepspeed, of a version whose partition bookkeeping this extension reads."""
-    return require_version("deepspeed", "deepspeed", SUPPORTED, "deepspeed_ext", INSTALL)
-
-BACKEND = "bytecheckpoint"
-
 __all__ = ["initialize", "install", "enable", "add_state", "engine_state", "options_of", "DeepSpeedModel",
            "DeepSpeedOptimizer"]
+
+
+def _deepspeed():
+    """deepspeed, of a version whose partition bookkeeping this extension reads."""
+    return require_version("deepspeed", "deepspeed", SUPPORTED, "deepspeed_ext", INSTALL)
 
 
 def options_of(engine) -> Optional[Dict[str, Any]]:
@@ -51,7 +50,7 @@ def _activate(result):
 
 def initialize(*args, **kwargs):
     """`deepspeed.initialize`, then ckpt_plugins checkpointing when the config asks for it."""
-    deepspeed = require_deepspeed()
+    deepspeed = _deepspeed()
     return _activate(_native_initialize(deepspeed)(*args, **kwargs))
 
 
@@ -62,7 +61,7 @@ def _native_initialize(deepspeed):
 def install() -> None:
     """Make `deepspeed.initialize` itself activate ckpt_plugins (for callers you do not control,
     such as the HF Trainer). Idempotent."""
-    deepspeed = require_deepspeed()
+    deepspeed = _deepspeed()
     if hasattr(deepspeed.initialize, "_ckpt_plugins_native"):
         return
     native = deepspeed.initialize

@@ -115,9 +115,22 @@ def test_a_framework_version_outside_the_supported_range_is_refused_naming_it(mo
             ("megatron-core", megatron_ext.training.install, "0.20.0rc1", ">=0.19,<0.20"),
             ("transformers", lambda: hf_ext.trainer.enable(None), "4.57.1", ">=5,<6"),
             ("accelerate", lambda: hf_ext.accelerate.enable(None), "2.0.0", ">=1.1,<2")):
-        monkeypatch.setattr(optional, "installed_version", lambda name: found if name == distribution else "0")
+        monkeypatch.setattr(optional, "installed_version", lambda name, module: found if name == distribution else "0")
         try:
             call()
             raise AssertionError(f"{distribution} {found} accepted")
         except UnsupportedVersion as exc:
             assert f"supports {distribution} {supported}; {found} is installed" in str(exc)
+
+
+def test_a_source_checkout_without_metadata_is_checked_by_its_version_attribute(tmp_path, monkeypatch):
+    from ckpt_plugins.ext import UnsupportedVersion, require_version
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, text in (("old_checkout", "__version__ = '0.18.2'\n"), ("unversioned_checkout", "")):
+        (tmp_path / f"{name}.py").write_text(text)
+    try:  # no distribution metadata: a checkout on PYTHONPATH, as Megatron-LM often is
+        require_version("old_checkout", "old-checkout", ("0.19", "0.20"), "an extension")
+        raise AssertionError("0.18.2 accepted")
+    except UnsupportedVersion as exc:
+        assert "supports old-checkout >=0.19,<0.20; 0.18.2 is installed" in str(exc)
+    assert require_version("unversioned_checkout", "unversioned-checkout", ("0.19", "0.20"), "an extension")

@@ -37,8 +37,13 @@ class UnsupportedVersion(ImportError):
     """An installed dependency's version is outside the range whose behaviour the code relies on."""
 
 
-def installed_version(distribution: str) -> str:
-    return metadata.version(distribution)
+def installed_version(distribution: str, module: ModuleType) -> str:
+    """The installed version: the distribution's metadata, else (a source checkout on the path,
+    as Megatron-LM often is) the module's `__version__`; "" when neither says."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return str(getattr(module, "__version__", ""))
 
 
 def _release(text: str) -> Tuple[int, ...]:
@@ -51,9 +56,9 @@ def require_version(module: str, distribution: str, supported: Tuple[str, str], 
     """`require`, then refuse a `distribution` outside `supported` = (lowest, first unsupported):
     for code that depends on a version's behaviour (partition bookkeeping, layouts, internals)."""
     imported = require(module, what, install)
-    found = installed_version(distribution)
+    found = installed_version(distribution, imported)
     low, high = supported
-    if not _release(low) <= _release(found) < _release(high):
+    if found and not _release(low) <= _release(found) < _release(high):  # unknown: nothing to check against
         raise UnsupportedVersion(f"{what} supports {distribution} >={low},<{high}; {found} is installed",
                                  name=module)
     return imported

@@ -50,9 +50,9 @@ def redact(url: str) -> str:
 
 class FsspecStorage(Storage):
     def __init__(self, url: str, retries: int = 6, backoff: float = 0.25, max_backoff: float = 8.0, **options):
-        fsspec = require("fsspec", f"{redact(url)}")
+        fsspec = require("fsspec", redact(url))
         if url.startswith("s3://"):
-            require("s3fs", f"{redact(url)}")
+            require("s3fs", redact(url))
         parts = urlsplit(url)
         if parts.username is not None or parts.password is not None:
             # a URL ends up in logs and error messages: credentials belong in the environment or config
