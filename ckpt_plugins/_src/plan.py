@@ -561,7 +561,7 @@ def _needs(requests: Sequence[Sequence[ReadRequest]], digests: Optional[Sequence
     needs: Dict[Tuple[str, int], List[_Need]] = {}
     for ranks, leader, begin, finish in groups.values():
         for request in requests[leader][begin:finish]:
-            needs.setdefault(request[:2], []).append(_Need(ranks, request))
+            needs.setdefault((request.file, request.offset), []).append(_Need(ranks, request))
     return needs
 
 
