@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, NotACheckpointError
+from .foreign import ComputedObject, read_foreign, readers
 from .format import DATA_DIR, FORMAT_NAME, METADATA_FILE, Metadata, decode_metadata
 from .objects import decode_object
 from .storage import Storage, storage_for
@@ -33,16 +34,23 @@ def is_checkpoint(path) -> bool:
 
 
 def read_metadata(path) -> Metadata:
-    """The committed metadata at `path`, validated; raises a clear CheckpointError otherwise."""
+    """The committed metadata at `path`, validated; raises a clear CheckpointError otherwise. A
+    checkpoint in another format (HF safetensors, PyTorch DCP, ...) gives its foreign view."""
     storage = _storage(path)
     try:
-        if storage.exists(METADATA_FILE):
+        if is_checkpoint(storage):
             return decode_metadata(storage.read_bytes(METADATA_FILE))
+        foreign = read_foreign(storage)
+        if foreign is not None:
+            return foreign
+        if storage.exists(METADATA_FILE):
+            return decode_metadata(storage.read_bytes(METADATA_FILE))  # says what is wrong with it
         if storage.exists(DATA_DIR):
             raise IncompleteCheckpointError(
                 f"{storage} is an incomplete checkpoint: its save never committed (no {METADATA_FILE}). "
                 "It cannot be loaded; load an earlier checkpoint and delete this one")
-        raise NotACheckpointError(f"{storage} is not a ckpt_plugins checkpoint (no {METADATA_FILE})")
+        raise NotACheckpointError(f"{storage} is not a checkpoint: neither ckpt_plugins' (no {METADATA_FILE}) nor "
+                                  f"one of the formats read in place ({', '.join(readers())})")
     except OSError as exc:
         raise NotACheckpointError(f"{storage} cannot be read as a checkpoint: {exc}") from None
 
@@ -63,6 +71,8 @@ def read_object(storage: Storage, metadata: Metadata, key: str, rank: Optional[i
     """The object `key` (the replicated one, or rank `rank`'s), checksum-verified and decoded."""
     from .engine.read import read_checked
     entry = next(o for o in metadata.objects[key] if o.rank == rank)
+    if isinstance(entry, ComputedObject):
+        return entry.compute(storage)
     data = read_checked(storage, key, entry.file, entry.offset, entry.nbytes, 0, entry.nbytes,
                         entry.crc32c, metadata.chunk_bytes)
     return decode_object(key, entry.encoding, bytes(data))

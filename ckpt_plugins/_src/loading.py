@@ -18,6 +18,7 @@ from .base_ref import BASE, reference, resolve
 from .committed import check_files, read_metadata, read_object
 from .coordinator import Coordinator
 from .engine.exchange import ReadWork, read_items
+from .foreign.view import ForeignMetadata, transformed
 from .errors import CheckpointError, LoadMismatchError
 from .plan import (LoadPlan, ReadItem, ReadRequest, Run, StoredItem, Transfer, assign_transfers, candidate_keys,
                    plan_load, read_request, resolve_key, runs_of, specs_of)
@@ -70,6 +71,7 @@ class Load:
             raise CheckpointError(f"{self.what} failed: the ranks of one load passed different paths "
                                   f"({', '.join(paths)}); every rank must load the same checkpoint. Nothing was loaded")
         stored = set(self.metadata.tensors) | set(self.metadata.objects) | set(self.metadata.aliases)
+        stored -= set(getattr(self.metadata, "descriptive", ()))
         return LoadResult(missing_keys=sorted({k for r in self.requests for k in r.missing}),
                           unexpected_keys=sorted(stored - {k for r in self.requests for k in r.wanted}))
 
@@ -82,6 +84,7 @@ class Load:
             check_files(self.storage, metadata)
         t = time.time()
         self.items = items = root_handler(self.state).load_items("", metadata)
+        items.fragments = transformed(metadata, items.fragments, items.finish)
         for check in items.checks:
             check(lambda key: read_object(self.storage, metadata, key, None))
         specs = specs_of(items.fragments)
@@ -103,6 +106,8 @@ class Load:
 
         def run():
             result.read_bytes = self._read(plan, metadata, self.requests)
+            if isinstance(metadata, ForeignMetadata):
+                result.unverified_bytes = result.read_bytes
             with recorder.phase("objects"):
                 self._objects(metadata, result)
             with recorder.phase("finish"):

@@ -50,6 +50,8 @@ def decode_object(key: str, encoding: str, data: bytes) -> Any:
     try:
         if encoding == "json":
             return json.loads(data)
+        if encoding == "text":  # a foreign checkpoint's text file (HF config.json)
+            return data.decode()
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:
         raise CorruptCheckpointError(f"object {key} cannot be decoded as {encoding} data: {exc}") from None

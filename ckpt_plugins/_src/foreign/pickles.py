@@ -13,7 +13,7 @@ from typing import Any, Dict, Tuple, Union
 
 import torch
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 
 class StandIn:

@@ -1,0 +1,230 @@
+"""PyTorch DCP checkpoints (`dcp.save`, torchtitan, Megatron's torch_dist) as foreign checkpoints.
+
+`.metadata` is a pickle: it is read with an allowlist of DCP's own metadata classes, never by
+running code from it. Each stored tensor chunk is a small `torch.save` archive (an uncompressed
+zip) at an offset `.metadata` gives; its `data.pkl` is read with an allowlist too, only to learn
+where in the archive the chunk's raw bytes lie, so a chunk is one stored box read in place.
+Other items (DCP's bytes entries) are `torch.save` payloads, read back weights-only.
+
+Names: DCP flattens nested state dicts with dots. `optim.state.<fqn>.<state>` (also `optimizer.`
+or no prefix: `get_state_dict` and torchtitan) becomes `optim/<fqn>/<state>`, the param groups
+one `optim/param_groups`, and the model's tensors `model/<fqn>`, with a leading `model.` removed
+when every model tensor has one and the checkpoint holds other entries beside it (a state dict
+saved as {"model": ..., "optim": ...}).
+"""
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import re
+import struct
+import zipfile
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from ..errors import CorruptCheckpointError, NotACheckpointError
+from ..format import ObjectMeta, check_relative_path
+from ..objects import decode_object
+from ..state import MODEL, OPTIM
+from ..storage import Storage
+from .pickles import load_pickle_restricted
+from .view import FOREIGN_CHUNK, ComputedObject, ForeignMetadata, raw_box, tensor_meta
+
+DCP_METADATA = ".metadata"
+_STATE = re.compile(r"(?:(?:optim|optimizer)\.)?state\.(.+)\.([^.]+)")
+_GROUPS = re.compile(r"(?:(?:optim|optimizer)\.)?param_groups\.(.+)\.([^.]+)")
+
+
+def dcp_classes() -> Dict[Tuple[str, str], Any]:
+    """What a DCP `.metadata` pickle may name: DCP's metadata dataclasses, torch sizes and dtypes."""
+    import pathlib
+
+    import torch.distributed.checkpoint.filesystem as fs
+    import torch.distributed.checkpoint.metadata as md
+    import torch.distributed.checkpoint.planner as pl
+    allowed: Dict[Tuple[str, str], Any] = {
+        (md.__name__, n): getattr(md, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                   "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                                   "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    allowed.update({(pl.__name__, n): getattr(pl, n) for n in ("SavePlan", "WriteItem", "WriteItemType",
+                                                               "TensorWriteData")})
+    allowed[(fs.__name__, "_StorageInfo")] = fs._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a name -> layout lookup
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    allowed[("pathlib", "PosixPath")] = pathlib.PurePosixPath  # a checkpoint_id: kept as an inert path
+    allowed.update({("torch", n): getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)})
+    return allowed
+
+
+def read_dcp_metadata(storage: Storage):
+    """DCP's own `Metadata` object from `.metadata`, through the allowlist."""
+    return load_pickle_restricted(storage.read_bytes(DCP_METADATA), dcp_classes(), f"{storage}/{DCP_METADATA}")
+
+
+class _Window(io.RawIOBase):
+    """Bytes [offset, offset + length) of a stored file, as a seekable file (for zipfile)."""
+
+    def __init__(self, storage: Storage, name: str, offset: int, length: int):
+        self.storage, self.name, self.offset, self.length, self.pos = storage, name, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, [pos, self.pos + pos, self.length + pos][whence])
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        if n:
+            self.storage.read_into(self.name, self.offset + self.pos, memoryview(buffer)[:n])
+            self.pos += n
+        return n
+
+
+class _TensorRecord(pickle.Unpickler):
+    """A `torch.save`d tensor's data.pkl, read for where its bytes are: nothing is rebuilt."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size), tuple(stride))
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor")
+
+    def persistent_load(self, pid):
+        return pid
+
+
+def _contiguous(size: Tuple[int, ...], stride: Tuple[int, ...]) -> bool:
+    expect = 1
+    for s, st in zip(reversed(size), reversed(stride)):
+        if s != 1 and st != expect:
+            return False
+        expect *= s
+    return True
+
+
+def chunk_location(storage: Storage, info, fqn: str, dtype: torch.dtype, sizes: Tuple[int, ...]) -> int:
+    """The offset in `info.relative_path` of a tensor chunk's raw row-major bytes (see the module
+    docstring); a clear error when the item is not a plain tensor of `sizes`."""
+    what = f"{storage}/{info.relative_path}: {fqn}"
+    try:
+        with zipfile.ZipFile(_Window(storage, info.relative_path, info.offset, info.length)) as archive:
+            infos = {i.filename: i for i in archive.infolist()}
+            pkl = next((n for n in infos if n.endswith("/data.pkl")), None)
+            if pkl is None:
+                raise CorruptCheckpointError(f"{what}: the item is not a torch.save archive (no data.pkl)")
+            storage_ref, offset, size, stride = _TensorRecord(io.BytesIO(archive.read(pkl))).load()
+            record = infos.get(f"{pkl[:-len('data.pkl')]}data/{storage_ref[2]}")
+    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, IndexError, EOFError) as exc:
+        raise CorruptCheckpointError(f"{what}: the item is not a plain torch.save'd tensor ({exc})") from None
+    if record is None or record.compress_type != zipfile.ZIP_STORED:
+        raise CorruptCheckpointError(f"{what}: the tensor's bytes are missing or compressed in its archive")
+    nbytes = torch.Size(sizes).numel() * dtype.itemsize
+    if size != tuple(sizes) or not _contiguous(size, stride) or offset * dtype.itemsize + nbytes > record.file_size:
+        raise CorruptCheckpointError(f"{what}: stored as shape {list(size)} stride {list(stride)} at {offset}; "
+                                     f"expected a contiguous {list(sizes)} chunk")
+    head = bytearray(30)
+    storage.read_into(info.relative_path, info.offset + record.header_offset, head)
+    if head[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{what}: damaged archive (no local header for its data)")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    start = record.header_offset + 30 + name_len + extra_len + offset * dtype.itemsize
+    if start + nbytes > info.length:
+        raise CorruptCheckpointError(f"{what}: the tensor's bytes run past its item")
+    return info.offset + start
+
+
+def _model_prefix(model_keys: List[str], others: bool) -> str:
+    """'model.' when the state dict was saved nested under "model" (see the module docstring)."""
+    nested = model_keys and all(k.startswith("model.") for k in model_keys)
+    return "model." if nested and (others or all(k.startswith("model.model.") for k in model_keys)) else ""
+
+
+def read_dcp(storage: Storage) -> ForeignMetadata:
+    """The DCP checkpoint at `storage` as foreign metadata (see the module docstring)."""
+    md = read_dcp_metadata(storage)
+    if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
+        raise CorruptCheckpointError(f"{storage}/{DCP_METADATA} is not DCP metadata")
+    index = {(i.fqn, None if i.offset is None else tuple(i.offset)): info for i, info in md.storage_data.items()}
+    files: Dict[str, int] = {}
+    for info in index.values():
+        if getattr(info, "transform_descriptors", None):
+            raise NotACheckpointError(f"{storage}: DCP items written through stream transforms "
+                                      f"({info.transform_descriptors}) are not read in place; load with dcp.load")
+        name = check_relative_path(info.relative_path)
+        if name not in files:
+            if not storage.exists(name):
+                raise CorruptCheckpointError(f"{storage}: {DCP_METADATA} names {name}, which the directory lacks")
+            files[name] = storage.size(name)
+        if info.offset + info.length > files[name]:
+            raise CorruptCheckpointError(f"{storage}/{name} is truncated: {files[name]} bytes, an item needs "
+                                         f"{info.offset + info.length}")
+    entries = md.state_dict_metadata
+    tensor_keys = [k for k, v in entries.items() if hasattr(v, "chunks")]
+    groups = [k for k in entries if _GROUPS.fullmatch(k)]
+    model_keys = [k for k in tensor_keys if not _STATE.fullmatch(k)]
+    prefix = _model_prefix(model_keys, len(model_keys) < len(entries))
+    tensors = {}
+    for fqn in tensor_keys:
+        meta = entries[fqn]
+        m = _STATE.fullmatch(fqn)
+        key = f"{OPTIM}/{m.group(1)}/{m.group(2)}" if m else f"{MODEL}/{fqn[len(prefix):]}"
+        dtype = meta.properties.dtype
+        boxes = []
+        for chunk in meta.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            info = index.get((fqn, offsets))
+            if info is None:
+                raise CorruptCheckpointError(f"{storage}: {DCP_METADATA} has no stored item for {fqn} at {list(offsets)}")
+            boxes.append(raw_box(info.relative_path, chunk_location(storage, info, fqn, dtype, sizes), dtype,
+                                 offsets, sizes))
+        tensors[key] = tensor_meta(tuple(meta.size), dtype, boxes)
+    objects: Dict[str, List[ObjectMeta]] = {}
+    for fqn, meta in entries.items():
+        if fqn in tensor_keys or fqn in groups:
+            continue
+        info = index[(fqn, None)]
+        objects[fqn] = [ObjectMeta(file=info.relative_path, offset=info.offset, nbytes=info.length, crc32c=[],
+                                   encoding="torch")]
+    if groups:
+        items = {k: index[(k, None)] for k in groups}
+        objects[f"{OPTIM}/param_groups"] = [ComputedObject(file="", offset=0, nbytes=0, crc32c=[], encoding="torch",
+                                                           compute=lambda st: _param_groups(st, items))]
+    return ForeignMetadata(tensors=tensors, objects=objects, files=files, framework="dcp",
+                           layout={"format": "dcp"}, chunk_bytes=FOREIGN_CHUNK, source="PyTorch DCP")
+
+
+def _param_groups(storage: Storage, items: Dict[str, Any]) -> List[dict]:
+    """Param groups as `saved_groups` stores them, from DCP's flattened entries: indexed groups
+    (`param_groups.<i>.<key>`, names in `params`), or per parameter (`param_groups.<fqn>.<key>`)."""
+    from ..state import saved_groups
+    by_owner: Dict[str, Dict[str, Any]] = collections.defaultdict(dict)
+    for key, info in items.items():
+        owner, name = _GROUPS.fullmatch(key).groups()
+        data = bytearray(info.length)
+        storage.read_into(info.relative_path, info.offset, data)
+        by_owner[owner][name] = decode_object(key, "torch", bytes(data))
+    if all(o.isdigit() and "params" in g for o, g in by_owner.items()):
+        groups = [by_owner[o] for o in sorted(by_owner, key=int)]
+    else:
+        groups = [{**g, "params": [o]} for o, g in sorted(by_owner.items())]
+    return saved_groups([{k: (v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v) for k, v in g.items()}
+                         for g in groups], ())
+
+
+def is_dcp_dir(storage: Storage) -> bool:
+    return storage.exists(DCP_METADATA)
+
