@@ -116,11 +116,11 @@ def test_uncovered_region_names_key_and_region(ckpt):
 
 
 @pytest.mark.parametrize("setup,error,match", [
-    ("missing", cp.NotACheckpointError, "not a ckpt_plugins checkpoint"),
-    ("empty", cp.NotACheckpointError, "not a ckpt_plugins checkpoint"),
+    ("missing", cp.NotACheckpointError, "is not a checkpoint ckpt_plugins reads"),
+    ("empty", cp.NotACheckpointError, "is not a checkpoint ckpt_plugins reads"),
     ("foreign", cp.MetadataError, "not a ckpt_plugins checkpoint's"),
     ("garbage", cp.MetadataError, "not valid JSON"),
-    ("a file", cp.NotACheckpointError, "not a ckpt_plugins checkpoint"),
+    ("a file", cp.NotACheckpointError, "is not a checkpoint ckpt_plugins reads"),
 ])
 def test_not_a_checkpoint(tmp_path, setup, error, match):
     path = tmp_path / "x"

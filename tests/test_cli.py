@@ -63,7 +63,7 @@ def test_verify_passes_then_names_the_corrupt_key_and_file(tmp_path):
 
 def test_cli_errors_are_one_clear_line(tmp_path):
     out = bcp("verify", tmp_path / "nothing")
-    assert out.returncode == 1 and out.stderr.startswith("error: ") and "not a ckpt_plugins checkpoint" in out.stderr
+    assert out.returncode == 1 and out.stderr.startswith("error: ") and "is not a checkpoint ckpt_plugins reads" in out.stderr
 
 
 def without(*modules):

@@ -101,6 +101,18 @@ def test_read_once_assignment_reads_every_shared_range_once():
     assert assign_transfers(reqs, rank=1).transfers == out.transfers
 
 
+def test_disjoint_ranges_of_one_stored_item_are_read_by_their_needers():
+    """Row shards of one stored box (a foreign checkpoint's whole tensor): each rank reads its own
+    rows, nothing is sent; an overlap makes the item shared again."""
+    from ckpt_plugins._src.plan import ReadRequest as R, assign_transfers
+    rows = lambda a, n: (((a, 0), (n, 4)),)  # noqa: E731
+    apart = [[R("f", 0, 0, 48, rows(0, 3))], [R("f", 0, 48, 96, rows(3, 3))]]
+    assert assign_transfers(apart).transfers == {} and assign_transfers(apart).shared == 0
+    overlap = [[R("f", 0, 0, 64, rows(0, 4))], [R("f", 0, 48, 96, rows(3, 3))]]
+    assert assign_transfers(overlap).shared == 1
+    assert assign_transfers(apart, readers=lambda f: [0]).shared == 1  # rank 1 cannot read f: rank 0 sends
+
+
 def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
     """Replicas request the same weights and each its own optimizer shard: handled by runs
     (`runs_of`), the assignment is the one made rank by rank."""
@@ -113,7 +125,7 @@ def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
     runs = [runs_of(keys, r) for r in reqs]
     assert len({r[0] for r in runs}) == 1 and len({r[1] for r in runs}) == 4
     by_runs, by_ranks = assign_transfers(reqs, runs), assign_transfers(reqs)
-    assert by_runs == by_ranks and by_runs.shared == 7
+    assert by_runs == by_ranks and by_runs.shared == 3  # each optimizer item's halves: read by their needers
     for rank in range(4):
         assert assign_transfers(reqs, runs, rank).transfers == {
             k: t for k, t in by_ranks.transfers.items() if rank in t.needers}

@@ -49,8 +49,8 @@ def read_metadata(path) -> Metadata:
             raise IncompleteCheckpointError(
                 f"{storage} is an incomplete checkpoint: its save never committed (no {METADATA_FILE}). "
                 "It cannot be loaded; load an earlier checkpoint and delete this one")
-        raise NotACheckpointError(f"{storage} is not a checkpoint: neither ckpt_plugins' (no {METADATA_FILE}) nor "
-                                  f"one of the formats read in place ({', '.join(readers())})")
+        raise NotACheckpointError(f"{storage} is not a checkpoint ckpt_plugins reads: it has no {METADATA_FILE}, "
+                                  f"and is none of the formats read in place ({', '.join(readers())})")
     except OSError as exc:
         raise NotACheckpointError(f"{storage} cannot be read as a checkpoint: {exc}") from None
 

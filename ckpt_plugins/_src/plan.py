@@ -506,7 +506,8 @@ def assign_transfers(requests: Sequence[Sequence[ReadRequest]], digests: Optiona
     """Pick one reader for every stored item that several ranks read (pure; same on every rank).
 
     The reader is one of the ranks needing the item, balancing bytes read across ranks; it reads
-    the union of the needed ranges. Items only one rank needs are left to that rank. `digests`
+    the union of the needed ranges. Items only one rank needs, or whose needers want disjoint
+    ranges of it, are left to those ranks. `digests`
     (each rank's request runs, `runs_of`, or one digest per rank): runs several ranks request
     alike are handled once. With `rank`, only the transfers that rank reads or needs are built.
     `readers(file)`: the ranks that can read a file (None: all); an item no needer can read is
@@ -517,9 +518,9 @@ def assign_transfers(requests: Sequence[Sequence[ReadRequest]], digests: Optiona
     load = LeastLoaded(len(requests))
     shared: List[_Shared] = []
     for item, users in needs.items():
-        ranks, request = users[0]
-        if len(users) == 1 and len(ranks) == 1 and (able.get(request.file) is None or ranks[0] in able[request.file]):
-            load.add(ranks[0], request.end - request.start)
+        if _apart(users, able.get(item[0])):
+            for ranks, request in users:
+                load.add(ranks[0], request.end - request.start)
         else:
             shared.append(_Shared(min(u.request.start for u in users), max(u.request.end for u in users),
                                   StoredItem(*item)))
@@ -545,6 +546,15 @@ def assign_transfers(requests: Sequence[Sequence[ReadRequest]], digests: Optiona
             out[s.item] = Transfer(reader, needers, tuple(u.request.regions for u in users for _ in u.ranks),
                                    s.start, s.end, tag)
     return Assignment(out, len(shared))
+
+
+def _apart(users: List[_Need], able: Optional[Tuple[int, ...]]) -> bool:
+    """Whether each needer of an item reads its own bytes: one rank per request, ranges disjoint
+    (row shards of one stored box), every needer able to read the file. Nothing is then sent."""
+    if any(len(u.ranks) != 1 or (able is not None and u.ranks[0] not in able) for u in users):
+        return False
+    spans = sorted((u.request.start, u.request.end) for u in users)
+    return all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
 
 
 def _needs(requests: Sequence[Sequence[ReadRequest]], digests: Optional[Sequence]) -> Dict[Tuple[str, int], List[_Need]]:

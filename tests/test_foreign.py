@@ -1,0 +1,285 @@
+"""Checkpoints in other formats load in place through `cp.load`: HF safetensors directories
+(sharded; block-quantized FP8) and PyTorch DCP checkpoints, resharded, each stored byte read
+once; bad input is refused before anything is touched."""
+import json
+import os
+import pickle
+import struct
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckpt_plugins as cp
+from distributed import run_ranks
+from hf_models import full_state, tiny_llama, train_step
+from test_hf_moe import hf_moe
+
+BLOCK = [8, 8]  # small blocks, so that tiny weights span several, edge blocks partial
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+def hf_sharded_moe(root) -> str:
+    """A Qwen3-MoE saved by transformers, in shards small enough that its tensors span several files."""
+    path = os.path.join(root, "hf")
+    hf_moe("qwen3_moe", 0).save_pretrained(path, max_shard_size="8KB")
+    return path
+
+
+def _quantized(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name.endswith(".weight") and ".self_attn." in name or ".mlp.experts." in name \
+        or ".shared_experts." in name
+
+
+def fp8_deepseek(root) -> tuple:
+    """A tiny DeepSeek-V3 in the layout DeepSeek ships: its linear weights float8_e4m3fn with a
+    float32 `weight_scale_inv` per 8×8 block, two shards and an index, quantization_config in
+    config.json. Returns the directory and the reference dequantization (bf16) by name."""
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(root, "fp8")
+    model = hf_moe("deepseek_v3", 0).to(torch.bfloat16)
+    model.save_pretrained(os.path.join(root, "bf16"))
+    weights = load_file(os.path.join(root, "bf16", "model.safetensors"))
+    files, reference = {}, {}
+    for name, w in weights.items():
+        if not _quantized(name, w):
+            files[name], reference[name] = w, w
+            continue
+        rows, cols = -(-w.shape[0] // BLOCK[0]), -(-w.shape[1] // BLOCK[1])
+        padded = torch.zeros(rows * BLOCK[0], cols * BLOCK[1])
+        padded[:w.shape[0], :w.shape[1]] = w.float()
+        blocks = padded.view(rows, BLOCK[0], cols, BLOCK[1])
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        q = (blocks / scale[:, None, :, None]).view_as(padded)[:w.shape[0], :w.shape[1]].to(torch.float8_e4m3fn)
+        files[name], files[name + "_scale_inv"] = q, scale
+        full = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[:w.shape[0], :w.shape[1]]
+        reference[name] = (q.float() * full).to(torch.bfloat16)
+    os.makedirs(path)
+    names = sorted(files)
+    shards = [names[:len(names) // 2], names[len(names) // 2:]]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: files[n].contiguous() for n in shard}, os.path.join(path, fname))
+        weight_map.update((n, fname) for n in shard)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(root, "bf16", "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": BLOCK}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path, reference
+
+
+def saved_as_hf(model, root) -> dict:
+    """A live model's weights under the names its safetensors files use (transformers' writer)."""
+    from safetensors.torch import load_file
+    model.save_pretrained(root)
+    return load_file(os.path.join(root, "model.safetensors"))
+
+
+# ---------------------------------------------------------------- one process
+
+
+def test_sharded_hf_moe_directory_loads_bit_for_bit_reading_each_byte_once(tmp_path):
+    """transformers' own per-expert files, sharded, fill the fused experts of a fresh model as
+    `from_pretrained` does; the load reads exactly the tensors' bytes, and says none of them had
+    a checksum."""
+    from transformers import AutoModelForCausalLM
+    path = hf_sharded_moe(tmp_path)
+    assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 3
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    model = hf_moe("qwen3_moe", 1)
+    result = cp.load(path, {"model": model})
+    for (name, a), b in zip(reference.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+    tensor_bytes = sum(t.nbytes for t in reference.state_dict().values())
+    assert result.read_bytes == result.unverified_bytes == tensor_bytes
+    assert cp.read_metadata(path).framework == "hf"
+
+
+def test_fp8_block_quantized_directory_loads_dequantized(tmp_path):
+    """Every FP8 weight arrives as weight × its block's scale_inv in float32, cast to the model's
+    bf16, bit for bit; unquantized tensors as stored; the scales are not left over."""
+    path, reference = fp8_deepseek(tmp_path)
+    model = hf_moe("deepseek_v3", 1).to(torch.bfloat16)
+    result = cp.load(path, {"model": model})
+    assert result.unexpected_keys == [] and result.missing_keys == []
+    got = saved_as_hf(model, tmp_path / "out")
+    assert sorted(got) == sorted(reference)
+    for name, ref in reference.items():
+        assert torch.equal(got[name], ref), name
+
+
+def _dcp_job(rank, world, root):
+    """An FSDP2 Llama with AdamW, 2 steps, then `dcp.save(get_state_dict(...))`; the full state and
+    the next two steps' losses (the uninterrupted run) kept for the test."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+    model = tiny_llama(0, tie=False)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        train_step(model, opt, step)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "dcp"))
+    state = full_state(model, opt)
+    losses = [train_step(model, opt, step) for step in (2, 3)]
+    if rank == 0:
+        torch.save({"state": state, "losses": losses}, os.path.join(root, "dcp_reference.pt"))
+
+
+def _foreign_worker(rank, world, root, fp8_key):
+    """The HF MoE directory into FSDP2 and the FP8 one row-sharded, on 2 ranks; then the DCP job."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from transformers import AutoModelForCausalLM
+    model = hf_moe("qwen3_moe", 1)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    result = cp.load(os.path.join(root, "hf"), {"model": model})
+    reference = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf")).state_dict()
+    for name, p in model.state_dict().items():
+        assert torch.equal(p.full_tensor(), reference[name]), name
+    read = torch.tensor([result.read_bytes])
+    dist.all_reduce(read)
+    assert read.item() == sum(t.nbytes for t in reference.values())  # each stored byte once, across ranks
+
+    # a rank holding half the rows of a quantized weight reads those rows and its blocks' scales
+    meta = cp.read_metadata(os.path.join(root, "fp8")).tensors
+    shape = meta[f"model/{fp8_key}"].shape
+    mesh = init_device_mesh("cpu", (world,))
+    live = distribute_tensor(torch.zeros(shape, dtype=torch.bfloat16), mesh, [Shard(0)])
+    result = cp.load(os.path.join(root, "fp8"), {"model": {fp8_key: live}}, strict=False)
+    expected = torch.load(os.path.join(root, "fp8_reference.pt"))
+    assert torch.equal(live.full_tensor(), expected)
+    rows, scales = shape[0] // world, -(-shape[0] // BLOCK[0]) * -(-shape[1] // BLOCK[1]) * 4
+    # its own rows of FP8 bytes, and scales (those of a block both need are read by one rank for both)
+    assert rows * shape[1] <= result.read_bytes <= rows * shape[1] + scales
+    read = torch.tensor([result.read_bytes])
+    dist.all_reduce(read)
+    assert read.item() == shape[0] * shape[1] + scales
+
+    _dcp_job(rank, world, root)
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory):
+    """The 2-rank runs, once for the module: HF and FP8 loads checked there, a DCP job's output."""
+    root = tmp_path_factory.mktemp("foreign")
+    hf_sharded_moe(root)
+    _, reference = fp8_deepseek(root)
+    key = "model.layers.0.self_attn.q_b_proj.weight"
+    assert reference[key].shape[0] % (2 * BLOCK[0]) != 0  # the ranks' rows share a block
+    torch.save(reference[key], os.path.join(root, "fp8_reference.pt"))
+    run_ranks(2, _foreign_worker, str(root), key)
+    return root
+
+
+def test_hf_directories_load_into_fsdp2_and_row_shards_reading_only_their_blocks(foreign):
+    """(checked on the ranks: FSDP2 weights equal `from_pretrained`'s, bytes read once in all; an
+    FP8 weight's row shards read their rows and their blocks' scales, each byte once in all)"""
+    assert os.path.isdir(foreign / "dcp")
+
+
+def test_dcp_of_an_fsdp2_job_loads_into_one_process_and_training_continues(foreign):
+    """`dcp.save` of an FSDP2 job's `get_state_dict` loads into a plain model and AdamW on one
+    process: weights and moments equal, param groups restored, the next steps' losses the
+    uninterrupted run's."""
+    ref = torch.load(foreign / "dcp_reference.pt")
+    model = tiny_llama(1, tie=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    result = cp.load(foreign / "dcp", {"model": model, "optim": opt})
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    got = full_state(model, opt)
+    assert sorted(got) == sorted(ref["state"])
+    for k, v in ref["state"].items():
+        assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
+    assert opt.param_groups[0]["lr"] == 1e-2
+    losses = [train_step(model, opt, step) for step in (2, 3)]
+    torch.testing.assert_close(losses, ref["losses"], rtol=1e-5, atol=0)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _tiny_hf(root) -> str:
+    path = os.path.join(root, "hf")
+    tiny_llama(0).save_pretrained(path)
+    return path
+
+
+def _rewrite_header(path: str, edit) -> None:
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def _truncate(path):
+    f = os.path.join(path, "model.safetensors")
+    os.truncate(f, os.path.getsize(f) - 100)
+
+
+def _overlap(path):
+    def edit(header):
+        a, b = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])[:2]
+        size = header[b]["data_offsets"][1] - header[b]["data_offsets"][0]
+        header[b]["data_offsets"] = [header[a]["data_offsets"][0], header[a]["data_offsets"][0] + size]
+    _rewrite_header(os.path.join(path, "model.safetensors"), edit)
+
+
+def _missing_shard(path):
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}, f)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def _evil_dcp(path):
+    os.makedirs(path)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(_Evil(), f)
+
+
+@pytest.mark.parametrize("case,needle", [(_truncate, "does not fit"), (_overlap, "overlap"),
+                                         (_missing_shard, "lacks"), (_evil_dcp, "posix.system is not allowed")])
+def test_bad_foreign_input_is_refused_naming_it_and_nothing_changes(case, needle, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    if case is _evil_dcp:
+        path = str(tmp_path / "dcp")
+    else:
+        path = _tiny_hf(tmp_path)
+    case(path)
+    model = tiny_llama(1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(cp.CheckpointError, match=needle):
+        cp.load(path, {"model": model})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not os.path.exists(tmp_path / "PWNED")
+
+
+def test_a_foreign_tensor_that_does_not_fit_the_model_is_refused_before_any_read(tmp_path):
+    path = _tiny_hf(tmp_path)
+    model = tiny_llama(1)
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros(3, 3))  # untied, and the wrong shape
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(cp.LoadMismatchError, match="shape"):
+        cp.load(path, {"model": model})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
