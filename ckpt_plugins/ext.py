@@ -12,6 +12,8 @@ else in the package is private and may change without notice.
 - Checkpoints as data: metadata, stored objects, pointers, storage backends, offline reading and
   writing (importers, exporters), data positions, the memory tier, and the agreement a step every
   rank runs after a commit goes through (`Coordinator.agreed`).
+- Checkpoints in other formats, read in place: `ForeignMetadata` (what a reader presents),
+  `ForeignReader` and `register_reader` (another format), the safetensors and DCP readers' parts.
 - Optional dependencies: `require(module, what)`, whose `MissingDependency` names the install, and
   `require_version` for code that relies on a version's behaviour (`UnsupportedVersion`).
 """
@@ -26,7 +28,10 @@ from ._src.families.dims import Dims
 from ._src.families.family import FAMILIES, Family
 from ._src.families.hf_config import HF_CONFIG, ModelConfig, hf_config, model_config
 from ._src.families.segments import Segment, segment_fragments, segment_pieces, whole, zero_padding
-from ._src.foreign import StandIn, load_pickle_restricted, load_torch_inert
+from ._src.foreign import (ForeignMetadata, ForeignReader, StandIn, load_pickle_restricted, load_torch_inert,
+                           register_reader)
+from ._src.foreign.dcp import DCP_METADATA, chunk_location, read_dcp_metadata
+from ._src.foreign.safetensors import SAFE_INDEX, SAFE_NAME, ST_DTYPES as SAFETENSORS_DTYPES, safetensors_metadata
 from ._src.format import DATA_DIR, Metadata, dtype_from_name, dtype_name
 from ._src.fragment import Box, FlatPiece, Fragment, Shape, box_fragment, flat_views
 from ._src.offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
@@ -59,6 +64,9 @@ __all__ = [
     "open_checkpoint", "read_tensor", "write_checkpoint", "BASE", "reference", "resolve", "StandIn",
     "load_pickle_restricted", "load_torch_inert", "Order", "epoch_order", "load_position", "position_items",
     "MemoryTier", "Coordinator", "SaveHooks", "take_finished", "progress_bar", "bcp",
+    # foreign checkpoints
+    "ForeignMetadata", "ForeignReader", "register_reader", "DCP_METADATA", "chunk_location", "read_dcp_metadata",
+    "SAFE_INDEX", "SAFE_NAME", "SAFETENSORS_DTYPES", "safetensors_metadata",
     # optional dependencies
     "require", "require_version", "MissingDependency", "UnsupportedVersion",
 ]

@@ -1,9 +1,8 @@
 """HF model directories in and out: `model.safetensors` (sharded with an index above a size) and
 `config.json`, streamed one tensor at a time.
 
-safetensors layout: an 8-byte little-endian header length, a JSON header ({name: {dtype, shape,
-data_offsets}}, offsets relative to the data start), then the raw bytes. Both directions parse
-and write it directly: no pickle, bounded memory, and `transformers` is not needed for either.
+Files are written directly (no pickle, bounded memory, no `transformers` needed) and read by the
+core's safetensors reader, the one a load of the directory in place uses.
 """
 from __future__ import annotations
 
@@ -16,18 +15,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ckpt_plugins import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from ckpt_plugins.ext import (BASE, HF_CONFIG, MODEL, AlignedStream, LazyFragment, Metadata, Storage, TensorSpec,
-                              choose_source, dtype_from_name, dtype_name, master_key, open_checkpoint, read_object,
-                              read_tensor, reference, resolve, storage_for, write_checkpoint)
+import ckpt_plugins as cp
+from ckpt_plugins import NotACheckpointError
+from ckpt_plugins.ext import (BASE, HF_CONFIG, MODEL, SAFE_INDEX, SAFE_NAME, SAFETENSORS_DTYPES, AlignedStream,
+                              ForeignMetadata, LazyFragment, Metadata, Storage, TensorSpec, choose_source,
+                              dtype_from_name, dtype_name, master_key, open_checkpoint, read_object, read_tensor,
+                              reference, resolve, safetensors_metadata, storage_for, write_checkpoint)
 from .peft_names import ADAPTER, adapted_weight, config_key, file_name, from_file_name, is_adapter
 
-SAFE_NAME, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
-MAX_HEADER = 100 << 20
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
 # ------------------------------------------------------------------ export
@@ -116,7 +112,7 @@ def write_safetensors(out_dir: str, entries: List[Tuple[str, torch.dtype, Tuple[
         for name in shard:
             d, shape = shapes[name]
             nbytes = math.prod(shape) * d.itemsize
-            header[name] = {"dtype": _ST_DTYPES[d], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {"dtype": SAFETENSORS_DTYPES[d], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -194,9 +190,9 @@ def export_peft(path, out_dir: str, adapter: str = "default") -> List[str]:
     entries = [(n, dtype_from_name(metadata.tensors[k].dtype), tuple(metadata.tensors[k].shape))
                for n, k in sorted(names.items())]
     files = write_safetensors(out_dir, entries, lambda n, buf: read_tensor(storage, metadata, names[n], buffer=buf),
-                              single="adapter_model.safetensors")
-    _write_json(os.path.join(out_dir, "adapter_config.json"), config)
-    return files + ["adapter_config.json"]
+                              single=PEFT_WEIGHTS)
+    _write_json(os.path.join(out_dir, PEFT_CONFIG), config)
+    return files + [PEFT_CONFIG]
 
 
 def write_model_files(path, out_dir: str, *, rank: int = 0, world: int = 1, config: bool = True,
@@ -254,90 +250,52 @@ def _write_json(path: str, value) -> None:
 # ------------------------------------------------------------------ import
 
 
-def read_header(path: str) -> Tuple[Dict[str, dict], int]:
-    """A safetensors file's tensor entries and the byte offset where its data starts."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise CorruptCheckpointError(f"{path} is not a safetensors file (shorter than its header length)")
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_HEADER:
-            raise CorruptCheckpointError(f"{path}: safetensors header of {length} bytes is implausible")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{path}: safetensors header is not JSON: {exc}") from None
-    size = os.path.getsize(path)
-    entries = {k: v for k, v in header.items() if k != "__metadata__"}
-    for name, entry in entries.items():
-        start, end = entry.get("data_offsets", (None, None))
-        dtype = _FROM_ST.get(entry.get("dtype"))
-        if dtype is None or not isinstance(entry.get("shape"), list):
-            raise CorruptCheckpointError(f"{path}: tensor {name} has an unsupported dtype or shape {entry}")
-        if (type(start), type(end)) != (int, int) or not 0 <= start <= end \
-                or end - start != math.prod(entry["shape"]) * dtype.itemsize or 8 + length + end > size:
-            raise CorruptCheckpointError(f"{path}: tensor {name}'s byte range {start}..{end} does not fit its "
-                                         f"shape or the file")
-    return entries, 8 + length
-
-
-def _read_safetensor(path: str, entry: dict, data_start: int) -> torch.Tensor:
-    start, end = entry["data_offsets"]
-    dtype = _FROM_ST[entry["dtype"]]
-    buf = bytearray(end - start)
-    with open(path, "rb") as f:
-        f.seek(data_start + start)
-        if f.readinto(buf) != len(buf):
-            raise CorruptCheckpointError(f"{path} is truncated")
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(entry["shape"]) if buf else \
-        torch.empty(entry["shape"], dtype=dtype)
-
-
 def import_hf(hf_dir: str, path, *, overwrite: bool = False, adapter: str = "default",
               progress: Optional[Callable[[int], None]] = None):
-    """An HF model directory (safetensors, single or sharded) becomes a ckpt_plugins checkpoint
-    whose `model/<name>` tensors load under every framework extension. A PEFT adapter directory
+    """An HF model directory (safetensors, single or sharded; FP8 block-quantized ones
+    dequantized into the dtype config.json names) becomes a ckpt_plugins checkpoint whose
+    `model/<name>` tensors load under every framework extension. A PEFT adapter directory
     (`adapter_config.json`, `adapter_model.safetensors`) becomes the adapter `adapter`'s tensors
-    and config, which load into a PEFT model of any framework."""
-    index = os.path.join(hf_dir, SAFE_INDEX)
-    peft_config = os.path.join(hf_dir, "adapter_config.json")
-    objects, aliases = {}, {}
-    if os.path.isfile(peft_config):
-        with open(peft_config) as f:
-            objects[f"{MODEL}/{config_key(adapter)}"] = f.read()
-        modules_to_save = json.loads(objects[f"{MODEL}/{config_key(adapter)}"]).get("modules_to_save") or ()
-        rename = lambda name: from_file_name(name, adapter, modules_to_save)  # noqa: E731
-        files = ["adapter_model.safetensors"]
-    elif os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        rename = lambda name: name  # noqa: E731
-    elif os.path.isfile(os.path.join(hf_dir, SAFE_NAME)):
-        files = [SAFE_NAME]
-        rename = lambda name: name  # noqa: E731
+    and config, which load into a PEFT model of any framework. Read by the same reader as a load
+    of the directory in place."""
+    storage = storage_for(hf_dir)
+    objects: Dict[str, Any] = {}
+    if storage.exists(PEFT_CONFIG):
+        objects[f"{MODEL}/{config_key(adapter)}"] = text = storage.read_bytes(PEFT_CONFIG).decode()
+        modules_to_save = json.loads(text).get("modules_to_save") or ()
+        if not storage.exists(PEFT_WEIGHTS):
+            raise NotACheckpointError(f"{hf_dir} has {PEFT_CONFIG} but no {PEFT_WEIGHTS}")
+        metadata = safetensors_metadata(storage, [PEFT_WEIGHTS],
+                                        lambda n: f"{MODEL}/{from_file_name(n, adapter, modules_to_save)}")
     else:
-        raise NotACheckpointError(f"{hf_dir} has neither {SAFE_NAME} nor {SAFE_INDEX} nor a PEFT adapter; only "
-                                  "safetensors model or adapter directories can be imported")
+        metadata = cp.read_metadata(storage)
+        if not isinstance(metadata, ForeignMetadata) or metadata.framework != "hf":
+            raise NotACheckpointError(f"{hf_dir} is neither an HF safetensors model directory nor a PEFT adapter")
+        if HF_CONFIG in metadata.objects:
+            objects[HF_CONFIG] = read_object(storage, metadata, HF_CONFIG, None)
+    dequantized = _dequantized_dtype(metadata, objects)
     fragments = []
-    for fname in files:
-        if "/" in fname or fname.startswith("."):
-            raise CheckpointError(f"{index} names file {fname!r} outside the model directory")
-        fpath = os.path.join(hf_dir, fname)
-        if not os.path.isfile(fpath):
-            raise NotACheckpointError(f"{hf_dir} has no {fname}")
-        entries, data_start = read_header(fpath)
-        for name, entry in sorted(entries.items()):
-            shape = tuple(entry["shape"])
-            fragments.append(LazyFragment(f"{MODEL}/{rename(name)}", shape, _FROM_ST[entry["dtype"]],
-                                          (0,) * len(shape), shape,
-                                          lambda p=fpath, e=entry, s=data_start: _read_safetensor(p, e, s)))
-    config_path = os.path.join(hf_dir, "config.json")
-    if os.path.isfile(config_path):
-        with open(config_path) as f:
-            objects[HF_CONFIG] = f.read()
-        names = {f.key for f in fragments}
-        tied = json.loads(objects[HF_CONFIG]).get("tie_word_embeddings", False)
-        if tied and f"{MODEL}/lm_head.weight" not in names and f"{MODEL}/model.embed_tokens.weight" in names:
-            aliases[f"{MODEL}/lm_head.weight"] = f"{MODEL}/model.embed_tokens.weight"
-    return write_checkpoint(path, fragments, objects, aliases=aliases, framework="hf", overwrite=overwrite,
+    for key, meta in metadata.tensors.items():
+        how = metadata.transforms.get(key)
+        if how is not None:
+            fragments.append(LazyFragment(key, meta.shape, dequantized, (0,) * len(meta.shape), meta.shape,
+                                          lambda k=key, h=how, m=meta: h.apply(((0,) * len(m.shape), m.shape), [
+                                              read_tensor(storage, metadata, k),
+                                              read_tensor(storage, metadata, h.scale_key)], dequantized)))
+        elif not any(key == h.scale_key for h in metadata.transforms.values()):
+            dtype = dtype_from_name(meta.dtype)
+            fragments.append(LazyFragment(key, meta.shape, dtype, (0,) * len(meta.shape), meta.shape,
+                                          lambda k=key: read_tensor(storage, metadata, k)))
+    return write_checkpoint(path, fragments, objects, aliases=metadata.aliases, framework="hf", overwrite=overwrite,
                             progress=progress)
+
+
+def _dequantized_dtype(metadata, objects: Dict[str, Any]) -> Optional[torch.dtype]:
+    """The dtype FP8 weights are imported in: config.json's; the stored config then says so."""
+    if not metadata.transforms:
+        return None
+    config = json.loads(objects[HF_CONFIG])
+    name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    config.pop("quantization_config", None)
+    objects[HF_CONFIG] = json.dumps(config, indent=2)
+    return getattr(torch, name)

@@ -1,9 +1,10 @@
 """`bcp import-megatron DIR PATH`: a native Megatron torch_dist checkpoint becomes a ckpt_plugins
 checkpoint under the HF family's names, in one process, with no GPU, process group or megatron import.
 
-torch_dist is PyTorch DCP: a pickled `.metadata` (read with an allowlist of DCP's own metadata
-classes) and `__R_I.distcp` files of `torch.save`d chunks (read with torch's weights-only
-unpickler; Megatron's args and enums become inert stand-ins). Model tensors are stored globally,
+torch_dist is PyTorch DCP, read by the core's DCP reader: a pickled `.metadata` (read with an
+allowlist of DCP's own metadata classes) and `__R_I.distcp` files of `torch.save`d chunks, whose
+tensor bytes are read in place; objects with torch's weights-only unpickler (Megatron's args and
+enums become inert stand-ins). Model tensors are stored globally,
 layers (and experts) stacked on leading axes: each layer's (expert's) slice is a TP1 tensor, cut
 into canonical tensors by the same segments as a live model. The distributed optimizer's default
 (`dp_reshardable`) state is one flat buffer per bucket and model-parallel rank of each optimizer (a
@@ -24,67 +25,37 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ckpt_plugins import CorruptCheckpointError, NotACheckpointError, UnsafePathError
-from ckpt_plugins.ext import (HF_CONFIG, MASTER, MODEL, OPTIM, Dims, LazyFragment, ModelConfig, StandIn, hf_config,
-                              load_pickle_restricted, load_torch_inert, model_config, saved_groups, segment_pieces,
-                              write_checkpoint)
+from ckpt_plugins import CorruptCheckpointError, NotACheckpointError
+from ckpt_plugins.ext import (DCP_METADATA, HF_CONFIG, MASTER, MODEL, OPTIM, Dims, LazyFragment, ModelConfig, StandIn,
+                              chunk_location, hf_config, load_torch_inert, model_config, read_dcp_metadata,
+                              saved_groups, segment_pieces, storage_for, write_checkpoint)
 from .family import OWN_NAMES, Ranks, canonical_segments, megatron_family, moe_layers
 
 from .gpt import LAYOUT_KEYS
 from .training import checkpoint_dir, tracked_iteration
 
-DCP_METADATA = ".metadata"
 ALIGN = 64  # the distributed optimizer's parameter alignment in its buffers (elements)
 
 
-def _dcp_classes() -> Dict[Tuple[str, str], Any]:
-    import collections
-
-    import torch.distributed.checkpoint.filesystem as fs
-    import torch.distributed.checkpoint.metadata as md
-    import torch.distributed.checkpoint.planner as pl
-    allowed: Dict[Tuple[str, str], Any] = {
-        (md.__name__, n): getattr(md, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                                   "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                                   "StorageMeta", "_MEM_FORMAT_ENCODING")}
-    allowed.update({(pl.__name__, n): getattr(pl, n) for n in ("SavePlan", "WriteItem", "WriteItemType",
-                                                               "TensorWriteData")})
-    allowed[(fs.__name__, "_StorageInfo")] = fs._StorageInfo
-    allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a name -> layout lookup
-    allowed[("collections", "OrderedDict")] = collections.OrderedDict
-    allowed.update({("torch", n): getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)})
-    return allowed
-
-
 class DcpCheckpoint:
-    """One torch_dist checkpoint directory, read lazily (one assembled tensor cached at a time)."""
+    """One torch_dist checkpoint directory, read through the core's DCP reader (one assembled
+    tensor cached at a time): tensor chunks as raw bytes in place, objects weights-only."""
 
     def __init__(self, directory: str):
-        self.dir = directory
-        meta_path = os.path.join(directory, DCP_METADATA)
-        if not os.path.isfile(meta_path):
+        self.dir, self.storage = directory, storage_for(directory)
+        if not self.storage.exists(DCP_METADATA):
             raise NotACheckpointError(f"{directory} has no {DCP_METADATA}: not a Megatron torch_dist checkpoint "
                                       f"(or one whose save did not finish)")
-        with open(meta_path, "rb") as f:
-            self.md = load_pickle_restricted(f.read(), _dcp_classes(), meta_path)
+        self.md = read_dcp_metadata(self.storage)
         self.index = {(i.fqn, None if i.offset is None else tuple(i.offset)): info
                       for i, info in self.md.storage_data.items()}
         self._cached: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
 
-    def _bytes(self, fqn: str, offset) -> bytes:
+    def _info(self, fqn: str, offset):
         info = self.index.get((fqn, offset))
         if info is None:
             raise CorruptCheckpointError(f"{self.dir}: no stored data for {fqn} at {offset}")
-        name = info.relative_path
-        if os.path.basename(name) != name or name in (".", ".."):
-            raise UnsafePathError(f"{self.dir}: {fqn} points outside the checkpoint ({name!r})")
-        with open(os.path.join(self.dir, name), "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-        if len(data) != info.length:
-            raise CorruptCheckpointError(f"{self.dir}/{name} is truncated (reading {fqn})")
-        return data
+        return info
 
     def tensors(self) -> Dict[str, Any]:
         return {k: v for k, v in self.md.state_dict_metadata.items() if hasattr(v, "chunks")}
@@ -96,15 +67,17 @@ class DcpCheckpoint:
         if self._cached[0] == fqn:
             return self._cached[1]
         meta = self.md.state_dict_metadata[fqn]
-        full = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        dtype = meta.properties.dtype
+        full = torch.empty(tuple(meta.size), dtype=dtype)
         for offsets, sizes in self.chunks(fqn):
-            piece = load_torch_inert(self._bytes(fqn, offsets), f"{self.dir}: {fqn}")
-            if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != sizes:
-                raise CorruptCheckpointError(f"{self.dir}: chunk {offsets} of {fqn} is not a tensor of shape {sizes}")
+            info = self._info(fqn, offsets)
+            data = bytearray(math.prod(sizes) * dtype.itemsize)
+            self.storage.read_into(info.relative_path, chunk_location(self.storage, info, fqn, dtype, sizes), data)
             view = full
             for d, (o, n) in enumerate(zip(offsets, sizes)):
                 view = view.narrow(d, o, n)
-            view.copy_(piece)
+            if data:
+                view.copy_(torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(sizes))
         self._cached = (fqn, full)
         return full
 
@@ -113,7 +86,10 @@ class DcpCheckpoint:
         keys = sorted(k for k in self.md.state_dict_metadata if k.startswith(fqn + "/shard_"))
         if not keys:
             raise CorruptCheckpointError(f"{self.dir}: no object {fqn}")
-        return load_torch_inert(self._bytes(keys[0], None), f"{self.dir}: {fqn}")
+        info = self._info(keys[0], None)
+        data = bytearray(info.length)
+        self.storage.read_into(info.relative_path, info.offset, data)
+        return load_torch_inert(bytes(data), f"{self.dir}: {fqn}")
 
 
 def _args_dims(args, padded_vocab: int) -> Dims:

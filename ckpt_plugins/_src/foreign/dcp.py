@@ -60,8 +60,14 @@ def dcp_classes() -> Dict[Tuple[str, str], Any]:
 
 
 def read_dcp_metadata(storage: Storage):
-    """DCP's own `Metadata` object from `.metadata`, through the allowlist."""
-    return load_pickle_restricted(storage.read_bytes(DCP_METADATA), dcp_classes(), f"{storage}/{DCP_METADATA}")
+    """DCP's own `Metadata` object from `.metadata`, through the allowlist; every file it names
+    checked to lie inside the checkpoint."""
+    md = load_pickle_restricted(storage.read_bytes(DCP_METADATA), dcp_classes(), f"{storage}/{DCP_METADATA}")
+    if not isinstance(getattr(md, "state_dict_metadata", None), dict) or not isinstance(getattr(md, "storage_data", None), dict):
+        raise CorruptCheckpointError(f"{storage}/{DCP_METADATA} is not DCP metadata")
+    for info in md.storage_data.values():
+        check_relative_path(info.relative_path)
+    return md
 
 
 class _Window(io.RawIOBase):
@@ -156,15 +162,13 @@ def _model_prefix(model_keys: List[str], others: bool) -> str:
 def read_dcp(storage: Storage) -> ForeignMetadata:
     """The DCP checkpoint at `storage` as foreign metadata (see the module docstring)."""
     md = read_dcp_metadata(storage)
-    if not hasattr(md, "state_dict_metadata") or not hasattr(md, "storage_data"):
-        raise CorruptCheckpointError(f"{storage}/{DCP_METADATA} is not DCP metadata")
     index = {(i.fqn, None if i.offset is None else tuple(i.offset)): info for i, info in md.storage_data.items()}
     files: Dict[str, int] = {}
     for info in index.values():
         if getattr(info, "transform_descriptors", None):
             raise NotACheckpointError(f"{storage}: DCP items written through stream transforms "
                                       f"({info.transform_descriptors}) are not read in place; load with dcp.load")
-        name = check_relative_path(info.relative_path)
+        name = info.relative_path
         if name not in files:
             if not storage.exists(name):
                 raise CorruptCheckpointError(f"{storage}: {DCP_METADATA} names {name}, which the directory lacks")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -109,23 +109,32 @@ def _block(config: dict) -> Optional[Tuple[int, int]]:
     return tuple(block)
 
 
-def read_hf_dir(storage: Storage) -> ForeignMetadata:
-    """The HF model directory at `storage` as foreign metadata (see the module docstring)."""
-    files, weight_map = _files(storage)
-    tensors, sizes, objects, aliases, transforms = {}, {}, {}, {}, {}
-    entries: Dict[str, Tuple[dict, str, int]] = {}
+def safetensors_metadata(storage: Storage, files: List[str], key_of: Callable[[str], str]) -> ForeignMetadata:
+    """safetensors `files` of `storage` as foreign metadata: each tensor one box, under key_of(name)."""
+    tensors, sizes = {}, {}
     for name in files:
         header, data_start = read_header(storage, name)
         sizes[name] = storage.size(name)
-        for tname, entry in header.items():
-            entries[tname] = (entry, name, data_start)
+        for tname, entry in sorted(header.items()):
+            dtype, shape = FROM_ST[entry["dtype"]], entry["shape"]
+            box = raw_box(name, data_start + entry["data_offsets"][0], dtype, (0,) * len(shape), shape)
+            key = key_of(tname)
+            if key in tensors:
+                raise CorruptCheckpointError(f"{storage}: tensor {tname} is in {tensors[key].boxes[0].file} and in {name}")
+            tensors[key] = tensor_meta(shape, dtype, [box])
+    return ForeignMetadata(tensors=tensors, objects={}, files=sizes, chunk_bytes=FOREIGN_CHUNK,
+                           source="safetensors")
+
+
+def read_hf_dir(storage: Storage) -> ForeignMetadata:
+    """The HF model directory at `storage` as foreign metadata (see the module docstring)."""
+    files, weight_map = _files(storage)
+    view = safetensors_metadata(storage, files, lambda name: f"{MODEL}/{name}")
+    tensors, sizes, objects, aliases, transforms = view.tensors, view.files, {}, {}, {}
     for tname, fname in (weight_map or {}).items():
-        if entries.get(tname, (None, None))[1] != fname:
+        meta = tensors.get(f"{MODEL}/{tname}")
+        if meta is None or meta.boxes[0].file != fname:
             raise CorruptCheckpointError(f"{storage}/{SAFE_INDEX} puts {tname} in {fname}, whose header lacks it")
-    for tname, (entry, fname, data_start) in sorted(entries.items()):
-        dtype, shape = FROM_ST[entry["dtype"]], entry["shape"]
-        box = raw_box(fname, data_start + entry["data_offsets"][0], dtype, (0,) * len(shape), shape)
-        tensors[f"{MODEL}/{tname}"] = tensor_meta(shape, dtype, [box])
     config = {}
     if storage.exists(CONFIG):
         text = storage.read_bytes(CONFIG)
