@@ -1,6 +1,6 @@
 """ckpt_plugins: one parallelism-agnostic checkpoint core for Megatron, DeepSpeed and FSDP/HF."""
-from ._src.api import (Checkpointer, LoadResult, SaveHandle, SaveInfo, checkpointer, is_checkpoint, load, read_metadata,
-                  save, save_async)
+from ._src.api import (Checkpointer, LoadResult, SaveHandle, SaveInfo, checkpoint_format, checkpointer, is_checkpoint,
+                       load, read_metadata, save, save_async)
 from ._src.errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, LoadMismatchError,
                      MetadataError, NotACheckpointError, PeerLost, SaveError, UnsafePathError)
 from ._src.manager import CheckpointManager
@@ -11,7 +11,7 @@ from ._src.state import Handler, Ignore, LoadItems, PerRank, SaveItems, register
 from ._src.tensor_map import tensor_fragments
 
 __all__ = [
-    "save", "save_async", "load", "read_metadata", "is_checkpoint", "checkpointer", "Checkpointer", "CheckpointManager", "SaveInfo", "SaveHandle", "LoadResult",
+    "save", "save_async", "load", "read_metadata", "is_checkpoint", "checkpoint_format", "checkpointer", "Checkpointer", "CheckpointManager", "SaveInfo", "SaveHandle", "LoadResult",
     "PerRank", "RNGState", "rng_state", "set_rng_state", "DataState", "DataChangedError", "TokenPacker",
     "Fragment", "box_fragment", "flat_fragments", "flat_range_boxes", "tensor_fragments",
     "Handler", "Ignore", "SaveItems", "LoadItems", "register_handler",

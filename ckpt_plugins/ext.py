@@ -28,11 +28,11 @@ from ._src.families.dims import Dims
 from ._src.families.family import FAMILIES, Family
 from ._src.families.hf_config import HF_CONFIG, ModelConfig, hf_config, model_config
 from ._src.families.segments import Segment, segment_fragments, segment_pieces, whole, zero_padding
-from ._src.foreign import (ForeignMetadata, ForeignReader, StandIn, load_pickle_restricted, load_torch_inert,
-                           register_reader)
+from ._src.foreign import (DCP, HF, ForeignMetadata, ForeignReader, StandIn, fit_state, load_pickle_restricted,
+                           load_torch_inert, register_reader)
 from ._src.foreign.dcp import DCP_METADATA, chunk_location, read_dcp_metadata
 from ._src.foreign.safetensors import SAFE_INDEX, SAFE_NAME, ST_DTYPES as SAFETENSORS_DTYPES, safetensors_metadata
-from ._src.format import DATA_DIR, Metadata, dtype_from_name, dtype_name
+from ._src.format import DATA_DIR, FORMAT_NAME, Metadata, dtype_from_name, dtype_name, stored_entries
 from ._src.fragment import Box, FlatPiece, Fragment, Shape, box_fragment, flat_views
 from ._src.offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
 from ._src.optional import MissingDependency, UnsupportedVersion, require, require_version
@@ -59,13 +59,13 @@ __all__ = [
     # families
     "FAMILIES", "Family", "Dims", "HF_CONFIG", "ModelConfig", "hf_config", "model_config",
     # checkpoints as data
-    "Metadata", "DATA_DIR", "dtype_name", "dtype_from_name", "read_object", "read_pointer", "TensorSpec",
+    "Metadata", "DATA_DIR", "FORMAT_NAME", "stored_entries", "dtype_name", "dtype_from_name", "read_object", "read_pointer", "TensorSpec",
     "choose_source", "Storage", "LocalStorage", "AlignedStream", "storage_for", "register_scheme", "LazyFragment",
     "open_checkpoint", "read_tensor", "write_checkpoint", "BASE", "reference", "resolve", "StandIn",
     "load_pickle_restricted", "load_torch_inert", "Order", "epoch_order", "load_position", "position_items",
     "MemoryTier", "Coordinator", "SaveHooks", "take_finished", "progress_bar", "bcp",
     # foreign checkpoints
-    "ForeignMetadata", "ForeignReader", "register_reader", "DCP_METADATA", "chunk_location", "read_dcp_metadata",
+    "ForeignMetadata", "ForeignReader", "register_reader", "fit_state", "HF", "DCP", "DCP_METADATA", "chunk_location", "read_dcp_metadata",
     "SAFE_INDEX", "SAFE_NAME", "SAFETENSORS_DTYPES", "safetensors_metadata",
     # optional dependencies
     "require", "require_version", "MissingDependency", "UnsupportedVersion",

@@ -17,8 +17,8 @@ import shutil
 from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import (DATA_DIR, Handler, LoadItems, LocalStorage, SaveHooks, SaveItems, read_pointer,
-                              storage_for, take_finished)
+from ckpt_plugins.ext import (DATA_DIR, FORMAT_NAME, Handler, LoadItems, LocalStorage, SaveHooks, SaveItems,
+                              fit_state, read_pointer, storage_for, take_finished)
 
 from . import zero_to_fp32
 from .zero import DeepSpeedModel, DeepSpeedOptimizer, ZeroState
@@ -141,13 +141,18 @@ class Hooks:
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         engine = self.engine
-        if tag is None:
-            tag = read_pointer(load_dir, LATEST)
+        foreign = tag is None and cp.checkpoint_format(load_dir) not in (None, FORMAT_NAME)
+        if foreign:  # another format's checkpoint (HF, DCP): the directory itself, no tags
+            path = load_dir
+        else:
             if tag is None:
-                log.warning("no %s file in %s: pass an explicit tag to load a checkpoint", LATEST, load_dir)
-                return None, None
-        path = os.path.join(load_dir, str(tag))
-        if not cp.is_checkpoint(path) and not storage_for(path).exists(DATA_DIR):  # not ours: DeepSpeed's own
+                tag = read_pointer(load_dir, LATEST)
+                if tag is None:
+                    log.warning("no %s file in %s: pass an explicit tag to load a checkpoint", LATEST, load_dir)
+                    return None, None
+            path = os.path.join(load_dir, str(tag))
+            foreign = cp.checkpoint_format(path) not in (None, FORMAT_NAME)
+        if cp.checkpoint_format(path) is None and not storage_for(path).exists(DATA_DIR):  # DeepSpeed's own
             return self.native_load(load_dir, tag, load_module_strict, load_optimizer_states,
                                     load_lr_scheduler_states, load_module_only, custom_load_fn)
         full = not load_module_only
@@ -158,6 +163,10 @@ class Hooks:
         if full:
             state.update(self.extra)
         ignored = {k: cp.Ignore() for k in ("optim", "sched", "engine") if k not in state}
+        if foreign:
+            state, absent = fit_state(state, cp.read_metadata(path))
+            if absent:
+                log.warning("%s (%s) holds no %s: left as they are", path, cp.checkpoint_format(path), ", ".join(absent))
         if engine._optimizer_has_ckpt_event_prologue():  # as DeepSpeed's own load: ZeRO-3 partitions first
             engine.optimizer.checkpoint_event_prologue()
         result = self.checkpointer.load(path, {**state, **ignored}, strict=load_module_strict)

@@ -33,7 +33,7 @@ import shutil
 from typing import Any, Dict, List, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import require_version, take_finished
+from ckpt_plugins.ext import DCP, FORMAT_NAME, fit_state, require_version, take_finished
 
 from .safetensors_io import HF_CONFIG
 
@@ -142,6 +142,10 @@ def load_state(accelerator, path, *, strict: bool = True, extra: Optional[Dict[s
     for i, model in enumerate(accelerator._models):
         if models is not None and not any(model is m for m in models):
             state["model" if i == 0 else f"model_{i}"] = cp.Ignore()  # a load hook took it
+    if cp.checkpoint_format(path) == DCP:  # another framework's: what it holds, the rest named
+        state, absent = fit_state(state, cp.read_metadata(path))
+        if absent:
+            log.warning("%s (a DCP checkpoint) holds no %s: left as they are", path, ", ".join(absent))
     result = cp.load(path, state, strict=strict)
     for i, loader in enumerate(accelerator._dataloaders):
         value = state.get(f"dataloader_{i}")
@@ -227,7 +231,7 @@ def enable(accelerator, *, async_save: bool = False):
 
     def load(input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs):
         path = _load_dir(accelerator, input_dir)
-        if accelerator.distributed_type in native_types or not cp.is_checkpoint(path):
+        if accelerator.distributed_type in native_types or cp.checkpoint_format(path) not in (FORMAT_NAME, DCP):
             return native_load(path, load_kwargs, **kwargs)
         models = _handled_models(accelerator, accelerator._load_model_state_pre_hook, path, load=True)
         load_state(accelerator, path, models=models)

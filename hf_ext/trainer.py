@@ -56,7 +56,7 @@ from typing import Any, Dict, Optional
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import Order, SaveHooks, read_object, require_version, storage_for
+from ckpt_plugins.ext import Order, SaveHooks, fit_state, read_object, require_version, storage_for
 
 from .mapping import is_peft_model
 from .safetensors_io import HF_CONFIG, write_model_files
@@ -89,6 +89,7 @@ class _Integration:
         self.pending_rotation = None
         self.warmed = False
         self.data: Optional[TrainerData] = None  # the training data's position, once the Trainer built its sampler
+        self.init_from: Optional[str] = None
 
     def ckpt(self) -> cp.Checkpointer:
         return self.checkpointer or cp.checkpointer()
@@ -265,6 +266,23 @@ class _Integration:
                  "data": cp.Ignore()}
         self.ckpt().load(checkpoint, state)
 
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """The Trainer's own; then a run that does not resume starts from `init_from`."""
+        out = self.native["_prepare_for_training"](max_steps, train_dataloader, resume_from_checkpoint)
+        if resume_from_checkpoint is None and self.init_from is not None:
+            self._init(self.init_from)
+        return out
+
+    def _init(self, path: str) -> None:
+        """A new run starts from another checkpoint (`init_from`: an HF directory, a DCP checkpoint
+        such as torchtitan's, one of ours): the model and whatever optimizer state it holds, into
+        the prepared (wrapped, sharded) model, reading each byte once; the rest is named."""
+        state = {k: v for k, v in self.state(with_training_state=True).items() if k in ("model", "optim")}
+        state, absent = fit_state(state, cp.read_metadata(path))
+        if absent:
+            log.warning("%s (%s) holds no %s: starting it fresh", path, cp.checkpoint_format(path), ", ".join(absent))
+        self.ckpt().load(path, state)
+
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
         if not is_ckpt_plugins_checkpoint(checkpoint):
             return self.native["_load_rng_state"](checkpoint)
@@ -321,23 +339,26 @@ def _save_side_files(trainer, output_dir: str) -> None:
 
 
 _HOOKS = ("_save_checkpoint", "save_model", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
-          "_load_rng_state", "_load_scaler", "_load_best_model", "_get_train_sampler", "_init_training_state")
+          "_load_rng_state", "_load_scaler", "_load_best_model", "_get_train_sampler", "_init_training_state",
+          "_prepare_for_training")
 _NO_OPS = ("_save_optimizer_and_scheduler", "_save_rng_state", "_save_scaler")
 
 
 def enable(trainer, *, async_save: bool = False, checkpointer: Optional[cp.Checkpointer] = None,
            peft_base: Optional[str] = None, adapters_only: bool = True, hf_weights: bool = True,
-           on_data_change: str = "warn"):
+           on_data_change: str = "warn", init_from: Optional[str] = None):
     """Make `trainer` save and resume through ckpt_plugins (see the module docstring). Returns it.
 
     `hf_weights`: write the model's HF files into each checkpoint too (from_pretrained reads it).
     `on_data_change`: "warn" (the Trainer's own fast-forward) or "error" when a resume finds the
-    training data changed since its checkpoint."""
+    training data changed since its checkpoint. `init_from`: a checkpoint a run that does not
+    resume starts from (HF safetensors, PyTorch DCP, ours): its model and any optimizer state."""
     require_version("transformers", "transformers", TRANSFORMERS, "hf_ext.trainer")
     from transformers import TrainerCallback
 
     integration = _Integration(trainer, async_save, checkpointer, peft_base, adapters_only, hf_weights,
                                on_data_change)
+    integration.init_from = None if init_from is None else str(init_from)
     for name in _HOOKS:
         integration.native[name] = getattr(trainer, name)
         setattr(trainer, name, getattr(integration, name))

@@ -29,8 +29,8 @@ import os
 from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import (FAMILIES, HF_CONFIG, Handler, LoadItems, SaveHooks, SaveItems, read_pointer,
-                              require_version, storage_for, take_finished)
+from ckpt_plugins.ext import (FAMILIES, FORMAT_NAME, HF_CONFIG, Handler, LoadItems, SaveHooks, SaveItems, read_pointer,
+                              require_version, storage_for, stored_entries, take_finished)
 
 from .family import OWN_NAMES
 from .gpt import MegatronModel, MegatronOptimizer, hf_config_json
@@ -38,6 +38,7 @@ from .gpt import MegatronModel, MegatronOptimizer, hf_config_json
 log = logging.getLogger("megatron_ext")
 BACKEND = "bytecheckpoint"
 TRACKER = "latest_checkpointed_iteration.txt"
+COMMON_STATE = "common.pt"  # in every native torch_dist checkpoint (a DCP directory itself)
 SUPPORTED = ("0.19", "0.20")  # megatron-core versions whose layouts and checkpointing hooks this extension maps
 RESUMED_ARGS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
 
@@ -214,9 +215,10 @@ def _ps():
 
 
 def resolve(load_dir: str, step: Optional[int] = None) -> Optional[str]:
-    """The checkpoint directory a load reads: `load_dir` itself when it is a ckpt_plugins
-    checkpoint, else `iter_N` for `step` or the tracker's iteration; None when there is none."""
-    if cp.is_checkpoint(load_dir):
+    """The checkpoint directory a load reads: `load_dir` itself when it is a checkpoint (ours, or
+    one read in place: HF safetensors, DCP), else `iter_N` for `step` or the tracker's iteration;
+    None when there is none."""
+    if cp.checkpoint_format(load_dir) is not None and tracked_iteration(load_dir) is None:
         return load_dir
     step = tracked_iteration(load_dir) if step is None else step
     return None if step is None else checkpoint_dir(load_dir, step)
@@ -250,20 +252,24 @@ def load(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: 
         path = resolve(load_dir, step) if load_dir else None
     if path is None:
         return None
-    if not cp.is_checkpoint(path):
+    fmt = cp.checkpoint_format(path)
+    if fmt is None or storage_for(path).exists(COMMON_STATE):
         if any(f.endswith(".distcp") or f.endswith(".pt") for f in storage_for(path).listdir()):
             return None  # a native Megatron checkpoint
         raise cp.IncompleteCheckpointError(f"{path} has no committed ckpt_plugins checkpoint (a save that did not "
                                            "finish?): point --load at a committed one or pass --ckpt-step")
     vocab, family = _real_vocab(args), getattr(args, "ckpt_hf_family", None)
-    full = not args.finetune
+    foreign = fmt != FORMAT_NAME  # another format's (HF, DCP): weights, perhaps optimizer state, no run state
+    full = not args.finetune and not foreign
     run = RunState()
-    state: Dict[str, Any] = {"model": MegatronModel(model, vocab, family), "megatron": run}
+    state: Dict[str, Any] = {"model": MegatronModel(model, vocab, family)}
+    if not foreign:
+        state["megatron"] = run
     metadata = cp.read_metadata(path)
-    stored = {k.split("/", 1)[0] for k in list(metadata.tensors) + list(metadata.objects)}
+    stored = stored_entries(metadata)
     if optimizer is not None and "optim" in stored:
-        state["optim"] = MegatronOptimizer(optimizer, model, vocab, optimizer_state=full and not args.no_load_optim,
-                                           family=family)
+        state["optim"] = MegatronOptimizer(optimizer, model, vocab, family=family, optimizer_state=(
+            full or (foreign and not args.finetune)) and not args.no_load_optim)
     if full and not args.no_load_optim and opt_param_scheduler is not None and "sched" in stored:
         state["sched"] = opt_param_scheduler
     if full and not args.no_load_rng and "rng" in stored:
@@ -285,6 +291,9 @@ def load(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: 
                         "way from the start) or the single sampler to continue the same sample stream.", saved_dp, dp)
     if optimizer is not None and "optim" not in state:  # weights only: masters must follow them
         optimizer.reload_model_params()
+    if foreign:
+        print_rank_0(f"loaded {fmt} checkpoint {path} in place: iteration 0")
+        return 0, 0
     print_rank_0(f"loaded ckpt_plugins checkpoint {path} at iteration {values['iteration']}")
     return (0 if not full else int(values["iteration"])), values["num_floating_point_operations_so_far"]
 

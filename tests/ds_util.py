@@ -98,13 +98,14 @@ def config(stage: int, bf16: bool, world: int, backend: bool = True, fp32_accumu
 
 
 def engine(stage: int, bf16: bool, seed: int = 0, backend: bool = True, fp32_accumulation: bool = False,
-           extra: dict = None):
-    """A DeepSpeed engine over a tiny Llama with one frozen parameter, AdamW and an LR schedule;
-    `extra`: more top-level config sections (a monitor, say)."""
+           extra: dict = None, model=None):
+    """A DeepSpeed engine over a tiny Llama with one frozen parameter (or over `model`), AdamW and
+    an LR schedule; `extra`: more top-level config sections (a monitor, say)."""
     import deepspeed_ext
     cpu_friendly_deepspeed()
-    model = tiny_llama(seed)
-    model.model.layers[0].input_layernorm.weight.requires_grad_(False)  # frozen: must survive too
+    if model is None:
+        model = tiny_llama(seed)
+        model.model.layers[0].input_layernorm.weight.requires_grad_(False)  # frozen: must survive too
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1,
                             betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))

@@ -208,6 +208,93 @@ def test_dcp_of_an_fsdp2_job_loads_into_one_process_and_training_continues(forei
     torch.testing.assert_close(losses, ref["losses"], rtol=1e-5, atol=0)
 
 
+# ---------------------------------------------------------------- through the frameworks' own load paths
+
+
+def _deepspeed_loads(rank, world, root):
+    """DeepSpeed `engine.load_checkpoint(dir)` of the FSDP2 job's DCP checkpoint into ZeRO-2 (weights,
+    moments, step and param groups; training continues), and of the sharded HF MoE directory into
+    ZeRO-3 with `load_module_only=True` (DeepSpeed's weights-only load)."""
+    import deepspeed
+    import ds_util
+    from transformers import AutoModelForCausalLM
+    ref = torch.load(os.path.join(root, "dcp_reference.pt"))
+    eng = ds_util.engine(2, False, model=tiny_llama(5, tie=False))
+    eng.load_checkpoint(os.path.join(root, "dcp"))
+    got = ds_util.full_state(eng)
+    for key, value in ref["state"].items():
+        kind, name = key.split("/", 1)
+        if kind == "p":
+            assert torch.equal(got[f"w/{name}"], value) and torch.equal(got[f"m/{name}"], value), key
+        elif not name.endswith("/step"):
+            assert torch.equal(got[key], value), key
+        else:
+            assert torch.equal(got["step"], value), key
+    assert got["lr"] == 1e-2
+    losses = [ds_util.step(eng, step) for step in (2, 3)]
+    assert losses[0] == ref["losses"][0]  # the loaded weights' loss, exactly
+    # after a step: DeepSpeed reduces gradients in another order than FSDP2 (measured: 9e-5 relative)
+    torch.testing.assert_close(losses[1], ref["losses"][1], rtol=1e-3, atol=0)
+
+    model = hf_moe("qwen3_moe", 3)
+    eng = ds_util.engine(3, False, model=model)
+    eng.load_checkpoint(os.path.join(root, "hf"), load_module_only=True)
+    reference = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf")).state_dict()
+    for name, p in eng.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            assert torch.equal(p.detach(), reference[name]), name
+
+
+def test_deepspeed_load_checkpoint_takes_dcp_and_hf_directories(foreign):
+    from distributed import run_env_ranks
+    run_env_ranks(2, _deepspeed_loads, str(foreign))
+
+
+def test_accelerate_load_state_takes_a_dcp_checkpoint(foreign, caplog):
+    """`accelerator.load_state(dcp_dir)`: the model and optimizer it holds, resharded into one
+    process; what it lacks (scheduler, RNG, counters) named in a warning and left as is."""
+    from accelerate import Accelerator
+
+    import hf_ext.accelerate
+    ref = torch.load(foreign / "dcp_reference.pt")
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama(3, tie=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    hf_ext.accelerate.enable(accelerator)
+    accelerator.load_state(str(foreign / "dcp"))
+    got = full_state(model, opt)
+    assert all(torch.equal(got[k], v) for k, v in ref["state"].items())
+    assert "holds no accelerator, rng, sched" in caplog.text
+
+
+def test_trainer_starts_from_a_dcp_checkpoint(foreign, tmp_path):
+    """`enable(trainer, init_from=dcp_dir)`: a new run starts from the DCP job's weights and AdamW
+    state, loaded into the prepared model (a resume needs the Trainer's own trainer_state.json)."""
+    from transformers import Trainer, TrainingArguments
+
+    import hf_ext.trainer
+    from test_hf_trainer import Tokens
+    ref = torch.load(foreign / "dcp_reference.pt")
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=6, max_steps=1,
+                             save_strategy="no", logging_steps=1, learning_rate=1e-2, use_cpu=True, report_to=[],
+                             seed=0, disable_tqdm=True)
+    trainer = Trainer(model=tiny_llama(4, tie=False), args=args, train_dataset=Tokens())
+    hf_ext.trainer.enable(trainer, init_from=foreign / "dcp")
+    captured = {}
+    original = trainer._prepare_for_training
+
+    def prepare_and_capture(*args):
+        out = original(*args)
+        captured.update(full_state(trainer.model, trainer.optimizer))
+        return out
+    trainer._prepare_for_training = prepare_and_capture
+    trainer.train()
+    assert sorted(captured) == sorted(ref["state"])
+    assert all(torch.equal(captured[k], v) for k, v in ref["state"].items())
+
+
 # ---------------------------------------------------------------- bad input
 
 

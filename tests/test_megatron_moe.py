@@ -151,10 +151,29 @@ def import_worker(rank, world, root, tp, ep):
     mu.destroy()
 
 
+def in_place_worker(rank, world, root):
+    """Megatron at TP2 x EP2 (expert-TP 1) with the distributed optimizer loads the sharded HF
+    directory in place: the weights the imported checkpoint gives, every file byte read once."""
+    import megatron_util as mu
+    from megatron_ext import MegatronModel
+    mu.init_parallel(tp=2, ep=2, etp=1)
+    models = [mu.build_gpt(seed, distributed_optimizer=True, moe=mu.MOE) for seed in (9, 10)]
+    result = cp.load(os.path.join(root, "resaved"), {"model": MegatronModel(models[0])})
+    cp.load(os.path.join(root, "imported"), {"model": MegatronModel(models[1]), "hf_config": cp.Ignore()})
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(a, b), name
+    read = torch.tensor([result.read_bytes])
+    torch.distributed.all_reduce(read)
+    assert read.item() == sum(t.nbytes for t in cp.read_metadata(os.path.join(root, "imported")).tensors.values()
+                              for t in t.boxes)
+    mu.destroy()
+
+
 def test_moe_export_from_pretrained_save_pretrained_import_keeps_the_logits(tmp_path):
     """Megatron EP2 x expert-DP2 → `bcp export` (per-expert names and config.json, nothing copied by hand) →
     transformers' Qwen3MoeForCausalLM.from_pretrained: the Megatron model's logits. Its
-    save_pretrained → `bcp import-hf` → Megatron at TP2 (expert-TP 2) and at EP4: the same logits."""
+    save_pretrained → `bcp import-hf` → Megatron at TP2 (expert-TP 2) and at EP4: the same logits;
+    the saved directory read in place at TP2 x EP2 with the distributed optimizer: the same weights."""
     import subprocess
     import sys
     from safetensors import safe_open
@@ -174,10 +193,11 @@ def test_moe_export_from_pretrained_save_pretrained_import_keeps_the_logits(tmp_
         ref = hf(IDS).logits
     want = torch.load(os.path.join(root, "megatron_logits.pt"))
     torch.testing.assert_close(ref, want, rtol=0, atol=2e-5)
-    hf.save_pretrained(os.path.join(root, "resaved"))
+    hf.save_pretrained(os.path.join(root, "resaved"), max_shard_size="100KB")
     subprocess.run([bcp, "import-hf", os.path.join(root, "resaved"), os.path.join(root, "imported")], check=True)
     run_ranks(2, import_worker, root, 2, 1)
     run_ranks(4, import_worker, root, 1, 4)
+    run_ranks(4, in_place_worker, root)
     for name in ("imported_tp2_ep1.pt", "imported_tp1_ep4.pt"):
         torch.testing.assert_close(torch.load(os.path.join(root, name)), ref, rtol=0, atol=2e-5)
 

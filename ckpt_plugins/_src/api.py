@@ -11,11 +11,11 @@ from typing import Any, Dict
 import torch.distributed as dist
 
 from .checkpointer import Checkpointer
-from .committed import is_checkpoint, read_metadata
+from .committed import checkpoint_format, is_checkpoint, read_metadata
 from .results import LoadResult, SaveHandle, SaveInfo
 
 __all__ = ["save", "save_async", "load", "checkpointer", "Checkpointer", "SaveInfo", "SaveHandle", "LoadResult",
-           "read_metadata", "is_checkpoint"]
+           "read_metadata", "is_checkpoint", "checkpoint_format"]
 
 _checkpointers: Dict[Any, Checkpointer] = {}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, NotACheckpointError
-from .foreign import ComputedObject, read_foreign, readers
+from .foreign import ComputedObject, detect, read_foreign, readers
 from .format import DATA_DIR, FORMAT_NAME, METADATA_FILE, Metadata, decode_metadata
 from .objects import decode_object
 from .storage import Storage, storage_for
@@ -31,6 +31,18 @@ def is_checkpoint(path) -> bool:
         return bytes(head) == _MARK
     except (OSError, ValueError, CheckpointError):
         return False
+
+
+def checkpoint_format(path) -> Optional[str]:
+    """What `path` holds, cheaply (marker files): "ckpt_plugins" for a committed checkpoint of ours,
+    the name of a format `load` reads in place ("HF safetensors", "PyTorch DCP", ...), else None."""
+    storage = _storage(path)
+    if is_checkpoint(storage):
+        return FORMAT_NAME
+    try:
+        return detect(storage)
+    except (OSError, ValueError, CheckpointError):
+        return None
 
 
 def read_metadata(path) -> Metadata:

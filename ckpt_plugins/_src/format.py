@@ -122,6 +122,11 @@ class Metadata:
         return sum(self.files.values())
 
 
+def stored_entries(metadata: Metadata) -> set:
+    """The top-level state entries a checkpoint holds: `model` of `model/...`, an object's name."""
+    return {k.split("/", 1)[0] for k in list(metadata.tensors) + list(metadata.objects) + list(metadata.aliases)}
+
+
 # --- decoding: every field is type-checked, so a hostile file yields MetadataError only ---
 
 def _need(cond: bool, what: str) -> None:

@@ -6,15 +6,17 @@ order on a directory that is not ours; extensions add their frameworks' native f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..format import Metadata, stored_entries
+from ..state import Ignore
 from ..storage import Storage
-from .dcp import is_dcp_dir, read_dcp
+from .dcp import NAME as DCP, is_dcp_dir, read_dcp
 from .pickles import StandIn, load_pickle_restricted, load_torch_inert
-from .safetensors import is_hf_dir, read_hf_dir
+from .safetensors import NAME as HF, is_hf_dir, read_hf_dir
 from .view import ComputedObject, ForeignMetadata
 
-__all__ = ["ForeignReader", "register_reader", "read_foreign", "readers", "ForeignMetadata", "ComputedObject",
+__all__ = ["ForeignReader", "register_reader", "read_foreign", "detect", "fit_state", "HF", "DCP", "readers", "ForeignMetadata", "ComputedObject",
            "StandIn", "load_pickle_restricted", "load_torch_inert"]
 
 
@@ -25,8 +27,7 @@ class ForeignReader:
     read: Callable[[Storage], ForeignMetadata]
 
 
-_READERS: List[ForeignReader] = [ForeignReader("HF safetensors", is_hf_dir, read_hf_dir),
-                                 ForeignReader("PyTorch DCP", is_dcp_dir, read_dcp)]
+_READERS: List[ForeignReader] = [ForeignReader(HF, is_hf_dir, read_hf_dir), ForeignReader(DCP, is_dcp_dir, read_dcp)]
 
 
 def register_reader(reader: ForeignReader, first: bool = False) -> None:
@@ -38,6 +39,22 @@ def register_reader(reader: ForeignReader, first: bool = False) -> None:
 
 def readers() -> List[str]:
     return [r.name for r in _READERS]
+
+
+def fit_state(state: Dict[str, Any], metadata: Metadata) -> Tuple[Dict[str, Any], List[str]]:
+    """A framework's whole state, fitted to what a foreign checkpoint holds: the entries it lacks
+    (a scheduler, counters, RNG: a foreign checkpoint has the model and perhaps an optimizer) are
+    left out and returned, to be named to the user; its entries the state has no place for
+    (another framework's extra state) are ignored. Within an entry, `strict` applies as ever."""
+    held = stored_entries(metadata)
+    fitted = {k: v for k, v in state.items() if k in held or isinstance(v, Ignore)}
+    fitted.update({k: Ignore() for k in held if k not in fitted})
+    return fitted, sorted(k for k, v in state.items() if k not in held and not isinstance(v, Ignore))
+
+
+def detect(storage: Storage) -> Optional[str]:
+    """The name of the format a reader knows the directory as; None when none does."""
+    return next((r.name for r in _READERS if r.detect(storage)), None)
 
 
 def read_foreign(storage: Storage) -> Optional[ForeignMetadata]:

@@ -32,6 +32,7 @@ from ..storage import Storage
 from .pickles import load_pickle_restricted
 from .view import FOREIGN_CHUNK, ComputedObject, ForeignMetadata, raw_box, tensor_meta
 
+NAME = "PyTorch DCP"
 DCP_METADATA = ".metadata"
 _STATE = re.compile(r"(?:(?:optim|optimizer)\.)?state\.(.+)\.([^.]+)")
 _GROUPS = re.compile(r"(?:(?:optim|optimizer)\.)?param_groups\.(.+)\.([^.]+)")
@@ -208,7 +209,7 @@ def read_dcp(storage: Storage) -> ForeignMetadata:
         objects[f"{OPTIM}/param_groups"] = [ComputedObject(file="", offset=0, nbytes=0, crc32c=[], encoding="torch",
                                                            compute=lambda st: _param_groups(st, items))]
     return ForeignMetadata(tensors=tensors, objects=objects, files=files, framework="dcp",
-                           layout={"format": "dcp"}, chunk_bytes=FOREIGN_CHUNK, source="PyTorch DCP")
+                           layout={"format": "dcp"}, chunk_bytes=FOREIGN_CHUNK, source=NAME)
 
 
 def _param_groups(storage: Storage, items: Dict[str, Any]) -> List[dict]:

@@ -23,6 +23,7 @@ from ..storage import Storage
 from ..state import MODEL
 from .view import FOREIGN_CHUNK, BlockDequant, ForeignMetadata, raw_box, tensor_meta
 
+NAME = "HF safetensors"
 SAFE_NAME, SAFE_INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -160,5 +161,5 @@ def read_hf_dir(storage: Storage) -> ForeignMetadata:
     if not tensors:
         raise NotACheckpointError(f"{storage} holds no tensors in its safetensors files")
     return ForeignMetadata(tensors=tensors, objects=objects, files=sizes, aliases=aliases, framework="hf",
-                           layout={"format": "hf-safetensors"}, chunk_bytes=FOREIGN_CHUNK, source="HF safetensors",
+                           layout={"format": "hf-safetensors"}, chunk_bytes=FOREIGN_CHUNK, source=NAME,
                            transforms=transforms, descriptive=(HF_CONFIG,))
