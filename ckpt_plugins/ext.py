@@ -31,6 +31,7 @@ from ._src.families.segments import Segment, segment_fragments, segment_pieces, 
 from ._src.foreign import (DCP, HF, ForeignMetadata, ForeignReader, StandIn, fit_state, load_pickle_restricted,
                            load_torch_inert, register_reader)
 from ._src.foreign.dcp import DCP_METADATA, chunk_location, read_dcp_metadata
+from ._src.foreign.dcp_export import export_dcp
 from ._src.foreign.safetensors import SAFE_INDEX, SAFE_NAME, ST_DTYPES as SAFETENSORS_DTYPES, safetensors_metadata
 from ._src.format import DATA_DIR, FORMAT_NAME, Metadata, dtype_from_name, dtype_name, stored_entries
 from ._src.fragment import Box, FlatPiece, Fragment, Shape, box_fragment, flat_views
@@ -65,7 +66,7 @@ __all__ = [
     "load_pickle_restricted", "load_torch_inert", "Order", "epoch_order", "load_position", "position_items",
     "MemoryTier", "Coordinator", "SaveHooks", "take_finished", "progress_bar", "bcp",
     # foreign checkpoints
-    "ForeignMetadata", "ForeignReader", "register_reader", "fit_state", "HF", "DCP", "DCP_METADATA", "chunk_location", "read_dcp_metadata",
+    "ForeignMetadata", "ForeignReader", "register_reader", "fit_state", "HF", "DCP", "DCP_METADATA", "chunk_location", "read_dcp_metadata", "export_dcp",
     "SAFE_INDEX", "SAFE_NAME", "SAFETENSORS_DTYPES", "safetensors_metadata",
     # optional dependencies
     "require", "require_version", "MissingDependency", "UnsupportedVersion",

@@ -25,6 +25,12 @@ def cmd_export(args) -> int:
     from ckpt_plugins.ext import open_checkpoint
 
     from .safetensors_io import export_hf, export_peft
+    if args.format == "dcp":
+        from ckpt_plugins.ext import export_dcp
+        keys = export_dcp(args.path, args.out, optimizer=args.optimizer)
+        print(f"wrote a DCP checkpoint to {args.out}: {len(keys)} tensors "
+              f"({'model and optimizer' if args.optimizer else 'model'}; dcp.load, then set_state_dict)")
+        return 0
     if args.format == "peft":
         files = export_peft(args.path, args.out, args.adapter)
         print(f"wrote adapter {args.adapter!r} to {args.out}: {', '.join(files)}")
@@ -57,12 +63,15 @@ def cmd_import_hf(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint's model weights as an HF model directory "
-                                      "(model.safetensors, sharded above --max-shard-size, and config.json)")
+                                      "(model.safetensors, sharded above --max-shard-size, and config.json), "
+                                      "or as a PyTorch DCP checkpoint")
     p.add_argument("path", help="ckpt_plugins checkpoint")
     p.add_argument("out", help="output directory")
-    p.add_argument("--format", choices=["hf", "peft"], default="hf",
+    p.add_argument("--format", choices=["hf", "peft", "dcp"], default="hf",
                    help="hf: the model (a PEFT run's base, from the base checkpoint it refers to); peft: one "
-                        "adapter as PEFT saves it (adapter_model.safetensors, adapter_config.json)")
+                        "adapter as PEFT saves it (adapter_model.safetensors, adapter_config.json); dcp: "
+                        "get_state_dict's layout for torch.distributed.checkpoint.load")
+    p.add_argument("--optimizer", action="store_true", help="--format dcp: the optimizer's state too")
     p.add_argument("--merge-adapters", action="store_true", help="--format hf: merge the adapter into the weights")
     p.add_argument("--adapter", default="default", help="the PEFT adapter to export or merge (default: default)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")

@@ -117,9 +117,10 @@ def test_fp8_block_quantized_directory_loads_dequantized(tmp_path):
 
 def _dcp_job(rank, world, root):
     """An FSDP2 Llama with AdamW, 2 steps, then `dcp.save(get_state_dict(...))`; the full state and
-    the next two steps' losses (the uninterrupted run) kept for the test."""
+    the next two steps' losses (the uninterrupted run) kept for the test. Also checked here: its
+    checkpoint of ours exported to DCP loads into a fresh FSDP2 job through torch's own API."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
     model = tiny_llama(0, tie=False)
     for layer in model.model.layers:
@@ -131,6 +132,28 @@ def _dcp_job(rank, world, root):
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "dcp"))
     state = full_state(model, opt)
+
+    # ours, out to DCP (`bcp export --format dcp --optimizer`), into a fresh FSDP2 job by torch alone
+    cp.save(os.path.join(root, "ours"), {"model": model, "optim": opt})
+    if rank == 0:
+        from ckpt_plugins.ext import bcp
+        assert bcp(["export", os.path.join(root, "ours"), os.path.join(root, "exported"), "--format", "dcp",
+                    "--optimizer"]) == 0
+    dist.barrier()
+    fresh = tiny_llama(7, tie=False)
+    for layer in fresh.model.layers:
+        fully_shard(layer)
+    fully_shard(fresh)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "exported"))
+    set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+    exported = full_state(fresh, fresh_opt)
+    assert sorted(exported) == sorted(state)
+    for key, value in state.items():
+        assert torch.equal(exported[key], value) if isinstance(value, torch.Tensor) else exported[key] == value, key
+    assert fresh_opt.param_groups[0]["lr"] == 1e-2
+
     losses = [train_step(model, opt, step) for step in (2, 3)]
     if rank == 0:
         torch.save({"state": state, "losses": losses}, os.path.join(root, "dcp_reference.pt"))
