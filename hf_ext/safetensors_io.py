@@ -273,29 +273,19 @@ def import_hf(hf_dir: str, path, *, overwrite: bool = False, adapter: str = "def
             raise NotACheckpointError(f"{hf_dir} is neither an HF safetensors model directory nor a PEFT adapter")
         if HF_CONFIG in metadata.objects:
             objects[HF_CONFIG] = read_object(storage, metadata, HF_CONFIG, None)
-    dequantized = _dequantized_dtype(metadata, objects)
+    if metadata.transforms and HF_CONFIG in objects:  # FP8 weights are stored dequantized
+        config = json.loads(objects[HF_CONFIG])
+        config.pop("quantization_config", None)
+        objects[HF_CONFIG] = json.dumps(config, indent=2)
+    consumed = {getattr(how, "scale_key", None) for how in metadata.transforms.values()}
     fragments = []
     for key, meta in metadata.tensors.items():
-        how = metadata.transforms.get(key)
-        if how is not None:
-            fragments.append(LazyFragment(key, meta.shape, dequantized, (0,) * len(meta.shape), meta.shape,
-                                          lambda k=key, h=how, m=meta: h.apply(((0,) * len(m.shape), m.shape), [
-                                              read_tensor(storage, metadata, k),
-                                              read_tensor(storage, metadata, h.scale_key)], dequantized)))
-        elif not any(key == h.scale_key for h in metadata.transforms.values()):
-            dtype = dtype_from_name(meta.dtype)
-            fragments.append(LazyFragment(key, meta.shape, dtype, (0,) * len(meta.shape), meta.shape,
-                                          lambda k=key: read_tensor(storage, metadata, k)))
+        if key in consumed:
+            continue
+        how, dtype = metadata.transforms.get(key), dtype_from_name(meta.dtype)
+        dtype = how.value_dtype(dtype) if how is not None else dtype
+        fragments.append(LazyFragment(key, meta.shape, dtype, (0,) * len(meta.shape), meta.shape,
+                                      lambda k=key: read_tensor(storage, metadata, k)))
     return write_checkpoint(path, fragments, objects, aliases=metadata.aliases, framework="hf", overwrite=overwrite,
                             progress=progress)
 
-
-def _dequantized_dtype(metadata, objects: Dict[str, Any]) -> Optional[torch.dtype]:
-    """The dtype FP8 weights are imported in: config.json's; the stored config then says so."""
-    if not metadata.transforms:
-        return None
-    config = json.loads(objects[HF_CONFIG])
-    name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
-    config.pop("quantization_config", None)
-    objects[HF_CONFIG] = json.dumps(config, indent=2)
-    return getattr(torch, name)

@@ -113,6 +113,89 @@ def test_fp8_block_quantized_directory_loads_dequantized(tmp_path):
     assert sorted(got) == sorted(reference)
     for name, ref in reference.items():
         assert torch.equal(got[name], ref), name
+    # `bcp import-hf` reads it with the same reader: dequantized, scales consumed
+    from ckpt_plugins._src.offline import open_checkpoint, read_tensor
+    from hf_ext.safetensors_io import import_hf
+    import_hf(path, tmp_path / "imported")
+    storage, metadata = open_checkpoint(tmp_path / "imported")
+    assert sorted(metadata.tensors) == sorted(f"model/{n}" for n in reference)
+    for name, ref in reference.items():
+        assert torch.equal(read_tensor(storage, metadata, f"model/{name}"), ref), name
+
+
+def _to_torchtitan(name: str, t: torch.Tensor, heads: int, kv_heads: int) -> tuple:
+    """An HF Llama tensor as torchtitan's Llama 3 stores it: its names, q/k rows in Meta's rotary
+    order (torchtitan's `_reverse_permute`, written out here independently)."""
+    import re
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m is None:
+        return {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+                "lm_head.weight": "output.weight"}[name], t
+    layer, rest = m.groups()
+    titan = {"self_attn.q_proj.weight": "attention.wq.weight", "self_attn.k_proj.weight": "attention.wk.weight",
+             "self_attn.v_proj.weight": "attention.wv.weight", "self_attn.o_proj.weight": "attention.wo.weight",
+             "mlp.gate_proj.weight": "feed_forward.w1.weight", "mlp.up_proj.weight": "feed_forward.w3.weight",
+             "mlp.down_proj.weight": "feed_forward.w2.weight", "input_layernorm.weight": "attention_norm.weight",
+             "post_attention_layernorm.weight": "ffn_norm.weight"}[rest]
+    n = {"attention.wq.weight": heads, "attention.wk.weight": kv_heads}.get(titan)
+    if n is not None:
+        rows, cols = t.shape
+        t = t.reshape(n, 2, rows // n // 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+    return f"layers.{layer}.{titan}", t
+
+
+def test_torchtitan_names_are_the_hf_family_names_its_adapters_give():
+    """Old and fused-QKV names, Qwen3 norms, DeepSeek-V3 MLA and stacked experts (torchtitan's
+    state-dict adapters' tables); only Llama 3 is stored rotary-permuted."""
+    from ckpt_plugins._src.foreign import torchtitan as tt
+    assert tt.hf_name("layers.3.attention.qkv_linear.wk.weight") == "model.layers.3.self_attn.k_proj.weight"
+    assert tt.hf_name("layers.3.attention.wk.weight") == "model.layers.3.self_attn.k_proj.weight"
+    assert tt.hf_name("output.weight") == tt.hf_name("lm_head.weight") == "lm_head.weight"
+    assert tt.hf_name("layers.0.attention.q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"
+    assert tt.hf_name("layers.1.attention.wkv_a.weight") == "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+    assert tt.hf_name("layers.1.moe.expert_bias_E") == "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert tt.stacked_hf_name("layers.2.moe.routed_experts.inner_experts.w2_EDF") == \
+        "model.layers.2.mlp.experts.{}.down_proj.weight"
+    assert tt.hf_name("layers.2.moe.routed_experts.inner_experts.w2_EDF") is None
+    assert tt.rotary_permuted(["model.layers.0.self_attn.q_proj.weight"])
+    assert not tt.rotary_permuted(["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_norm.weight"])
+    assert tt.is_torchtitan(["tok_embeddings.weight"]) and not tt.is_torchtitan(["model.embed_tokens.weight"])
+
+
+def test_a_torchtitan_llama_checkpoint_loads_into_an_hf_llama_with_equal_logits(tmp_path):
+    """A DCP checkpoint named and laid out as torchtitan's Llama 3 (its q/k rows permuted per head,
+    its optimizer state keyed by its own names) loads into transformers' Llama and AdamW: the
+    same logits and moments as the model it was made from; without config.json beside it, a
+    clear refusal."""
+    import torch.distributed.checkpoint as dcp
+    hf = tiny_llama(0, tie=False)
+    config = hf.config
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    moments = {n: torch.randn_like(p) for n, p in hf.named_parameters()}
+    state = {}
+    for name, p in hf.state_dict().items():
+        titan, value = _to_torchtitan(name, p, heads, kv)
+        state[titan] = value
+        state[f"optimizer.state.{titan}.exp_avg"] = _to_torchtitan(name, moments[name], heads, kv)[1]
+        state[f"optimizer.state.{titan}.step"] = torch.tensor(3.0)
+        state[f"optimizer.param_groups.{titan}.lr"] = 0.25
+    state["train_state"] = {"step": 3}
+    path = str(tmp_path / "titan")
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    model = tiny_llama(1, tie=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    with pytest.raises(cp.NotACheckpointError, match="config.json"):
+        cp.load(path, {"model": model})
+    config.to_json_file(os.path.join(path, "config.json"))
+    result = cp.load(path, {"model": model, "optim": opt}, strict=False)
+    assert result.missing_keys == [] and result.unexpected_keys == ["train_state.step"]
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, hf(ids).logits)
+    for name, p in model.named_parameters():
+        assert torch.equal(opt.state[p]["exp_avg"], moments[name]), name
+        assert opt.state[p]["step"] == 3.0
+    assert opt.param_groups[0]["lr"] == 0.25
 
 
 def _dcp_job(rank, world, root):

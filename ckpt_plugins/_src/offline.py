@@ -16,10 +16,10 @@ import torch
 from .commit import Commit
 from .committed import check_files, read_metadata
 from .engine.exchange import ReadWork, read_items
-from .format import DATA_DIR, Metadata, ObjectMeta, chunk_checksums, dtype_name
+from .format import DATA_DIR, Metadata, ObjectMeta, chunk_checksums, dtype_from_name, dtype_name
 from .fragment import Fragment, sub_view
 from .objects import encode_object
-from .plan import TensorSpec, place, plan_load, plan_save
+from .plan import TensorSpec, place, plan_load, plan_save, specs_of
 from .storage import AlignedStream, Storage, storage_for
 
 
@@ -132,8 +132,17 @@ def read_tensor(storage: Storage, metadata: Metadata, key: str, dtype: Optional[
     """The whole tensor `key` (aliases resolved), read and checksum-verified; into the front of
     `buffer` (uint8, reused by a caller streaming many tensors: fresh memory pays page faults)
     when given."""
-    meta = metadata.tensors[metadata.aliases.get(key, key)]
-    from .format import dtype_from_name
+    key = metadata.aliases.get(key, key)
+    meta = metadata.tensors[key]
+    how = getattr(metadata, "transforms", {}).get(key)
+    if how is not None:  # a foreign checkpoint's values computed from what is stored
+        stored = dtype_from_name(meta.dtype)
+        box = ((0,) * len(meta.shape), tuple(meta.shape))
+        reads = how.sources(key, meta.shape, stored, box)
+        plan = plan_load(metadata, specs_of(reads))
+        read_items(storage, ReadWork(plan.reads, reads, {k: m.dtype for k, m in metadata.tensors.items()},
+                                     metadata.chunk_bytes), threads=threads)
+        return how.apply(box, [r.local for r in reads], dtype or how.value_dtype(stored))
     dtype = dtype or dtype_from_name(meta.dtype)
     if buffer is None:
         out = torch.empty(tuple(meta.shape), dtype=dtype)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import io
+import json
+import math
 import pickle
 import re
 import struct
@@ -25,15 +27,17 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..errors import CorruptCheckpointError, NotACheckpointError
-from ..format import ObjectMeta, check_relative_path
+from ..format import ObjectMeta, StoredBox, check_relative_path
 from ..objects import decode_object
 from ..state import MODEL, OPTIM
 from ..storage import Storage
 from .pickles import load_pickle_restricted
-from .view import FOREIGN_CHUNK, ComputedObject, ForeignMetadata, raw_box, tensor_meta
+from . import torchtitan
+from .view import FOREIGN_CHUNK, ComputedObject, ForeignMetadata, RowPermute, raw_box, tensor_meta
 
 NAME = "PyTorch DCP"
 DCP_METADATA = ".metadata"
+CONFIG = "config.json"  # an HF config beside a torchtitan checkpoint: its attention head size
 _STATE = re.compile(r"(?:(?:optim|optimizer)\.)?state\.(.+)\.([^.]+)")
 _GROUPS = re.compile(r"(?:(?:optim|optimizer)\.)?param_groups\.(.+)\.([^.]+)")
 
@@ -182,11 +186,11 @@ def read_dcp(storage: Storage) -> ForeignMetadata:
     groups = [k for k in entries if _GROUPS.fullmatch(k)]
     model_keys = [k for k in tensor_keys if not _STATE.fullmatch(k)]
     prefix = _model_prefix(model_keys, len(model_keys) < len(entries))
-    tensors = {}
+    names = _Names(storage, [k[len(prefix):] for k in model_keys])
+    tensors, transforms = {}, {}
     for fqn in tensor_keys:
         meta = entries[fqn]
         m = _STATE.fullmatch(fqn)
-        key = f"{OPTIM}/{m.group(1)}/{m.group(2)}" if m else f"{MODEL}/{fqn[len(prefix):]}"
         dtype = meta.properties.dtype
         boxes = []
         for chunk in meta.chunks:
@@ -196,7 +200,12 @@ def read_dcp(storage: Storage) -> ForeignMetadata:
                 raise CorruptCheckpointError(f"{storage}: {DCP_METADATA} has no stored item for {fqn} at {list(offsets)}")
             boxes.append(raw_box(info.relative_path, chunk_location(storage, info, fqn, dtype, sizes), dtype,
                                  offsets, sizes))
-        tensors[key] = tensor_meta(tuple(meta.size), dtype, boxes)
+        for name, shape, named_boxes in names.tensors(m.group(1) if m else fqn[len(prefix):], tuple(meta.size),
+                                                       dtype, boxes):
+            key = f"{OPTIM}/{name}/{m.group(2)}" if m else f"{MODEL}/{name}"
+            tensors[key] = tensor_meta(shape, dtype, named_boxes)
+            if names.permuted.get(name) and len(shape) == 2:
+                transforms[key] = RowPermute(names.permuted[name])
     objects: Dict[str, List[ObjectMeta]] = {}
     for fqn, meta in entries.items():
         if fqn in tensor_keys or fqn in groups:
@@ -207,12 +216,57 @@ def read_dcp(storage: Storage) -> ForeignMetadata:
     if groups:
         items = {k: index[(k, None)] for k in groups}
         objects[f"{OPTIM}/param_groups"] = [ComputedObject(file="", offset=0, nbytes=0, crc32c=[], encoding="torch",
-                                                           compute=lambda st: _param_groups(st, items))]
+                                                           compute=lambda st: _param_groups(st, items, names.of))]
     return ForeignMetadata(tensors=tensors, objects=objects, files=files, framework="dcp",
-                           layout={"format": "dcp"}, chunk_bytes=FOREIGN_CHUNK, source=NAME)
+                           layout={"format": "dcp", "names": names.kind}, chunk_bytes=FOREIGN_CHUNK, source=NAME,
+                           transforms=transforms)
 
 
-def _param_groups(storage: Storage, items: Dict[str, Any]) -> List[dict]:
+class _Names:
+    """The names a DCP checkpoint's model tensors load under: as stored, or torchtitan's mapped to
+    the HF family names (`torchtitan`), its stacked experts split into per-expert tensors and, for
+    Llama 3, q/k rows permuted per head, which needs the head dim from a config.json beside it."""
+
+    def __init__(self, storage: Storage, model_names: List[str]):
+        self.kind = "torchtitan" if torchtitan.is_torchtitan(model_names) else "as stored"
+        self.permuted: Dict[str, int] = {}  # HF name -> head dim, for RowPermute
+        self.experts: Dict[str, List[str]] = {}  # a stacked tensor's name -> its experts' names
+        if self.kind == "as stored":
+            return
+        hf = [torchtitan.hf_name(n) for n in model_names]
+        if torchtitan.rotary_permuted([n for n in hf if n]):
+            if not storage.exists(CONFIG):
+                raise NotACheckpointError(
+                    f"{storage} is a torchtitan Llama checkpoint, whose q/k rows are stored in Meta's rotary order "
+                    f"per attention head: put the model's HF {CONFIG} beside {DCP_METADATA} so the head size is known")
+            try:
+                _, _, head_dim = torchtitan.head_counts(json.loads(storage.read_bytes(CONFIG)))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CorruptCheckpointError(f"{storage}/{CONFIG} gives no attention head size: {exc}") from None
+            self.permuted = {n: head_dim for n in hf if n and n.endswith((".q_proj.weight", ".k_proj.weight"))}
+
+    def of(self, name: str) -> List[str]:
+        """The names `name` loads as (a stacked expert tensor: one per expert, known from its shape)."""
+        if self.kind == "as stored":
+            return [name]
+        return self.experts.get(name) or [torchtitan.hf_name(name) or name]
+
+    def tensors(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, boxes: List[StoredBox]):
+        """(name, shape, boxes) of the tensors a stored one is: itself renamed, or one per expert."""
+        stacked = torchtitan.stacked_hf_name(name) if self.kind == "torchtitan" else None
+        if stacked is None:
+            return [(self.of(name)[0], shape, boxes)]
+        per_expert: Dict[int, List[StoredBox]] = collections.defaultdict(list)
+        for box in boxes:  # each expert of a chunk is contiguous in it
+            inner = math.prod(box.lengths[1:]) * dtype.itemsize
+            for e in range(box.offsets[0], box.offsets[0] + box.lengths[0]):
+                per_expert[e].append(raw_box(box.file, box.offset + (e - box.offsets[0]) * inner, dtype,
+                                             box.offsets[1:], box.lengths[1:]))
+        self.experts[name] = [stacked.format(e) for e in range(shape[0])]
+        return [(stacked.format(e), shape[1:], per_expert[e]) for e in range(shape[0])]
+
+
+def _param_groups(storage: Storage, items: Dict[str, Any], rename) -> List[dict]:
     """Param groups as `saved_groups` stores them, from DCP's flattened entries: indexed groups
     (`param_groups.<i>.<key>`, names in `params`), or per parameter (`param_groups.<fqn>.<key>`)."""
     from ..state import saved_groups
@@ -225,7 +279,9 @@ def _param_groups(storage: Storage, items: Dict[str, Any]) -> List[dict]:
     if all(o.isdigit() and "params" in g for o, g in by_owner.items()):
         groups = [by_owner[o] for o in sorted(by_owner, key=int)]
     else:
-        groups = [{**g, "params": [o]} for o, g in sorted(by_owner.items())]
+        groups = [{**g, "params": rename(o)} for o, g in sorted(by_owner.items())]
+    for g in groups:
+        g["params"] = [n for name in g["params"] for n in rename(name)]
     return saved_groups([{k: (v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v) for k, v in g.items()}
                          for g in groups], ())
 

@@ -157,7 +157,8 @@ def read_hf_dir(storage: Storage) -> ForeignMetadata:
         if len(meta.shape) != 2 or tuple(scale.shape) != want:
             raise CorruptCheckpointError(f"{storage}: {key}{SCALE_SUFFIX} has shape {list(scale.shape)}; blocks of "
                                          f"{list(block)} over {list(meta.shape)} need {list(want)}")
-        transforms[key] = BlockDequant(key + SCALE_SUFFIX, want, dtype_from_name(scale.dtype), block)
+        transforms[key] = BlockDequant(key + SCALE_SUFFIX, want, dtype_from_name(scale.dtype), block,
+                                       getattr(torch, config.get("dtype") or config.get("torch_dtype") or "bfloat16"))
     if not tensors:
         raise NotACheckpointError(f"{storage} holds no tensors in its safetensors files")
     return ForeignMetadata(tensors=tensors, objects=objects, files=sizes, aliases=aliases, framework="hf",

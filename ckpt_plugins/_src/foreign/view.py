@@ -32,7 +32,7 @@ class ForeignMetadata(Metadata):
     """Metadata of a checkpoint in another format (`source` names it). `transforms`: stored key ->
     how a box of its values is computed from stored boxes (instead of read as is)."""
     source: str = ""
-    transforms: Dict[str, "BlockDequant"] = field(default_factory=dict)
+    transforms: Dict[str, "Transform"] = field(default_factory=dict)
     descriptive: Tuple[str, ...] = ()  # objects that describe the checkpoint (config.json), not state
 
     @property
@@ -52,8 +52,48 @@ def tensor_meta(shape: Sequence[int], dtype: torch.dtype, boxes: List[StoredBox]
     return TensorMeta(shape=tuple(int(s) for s in shape), dtype=dtype_name(dtype), boxes=boxes)
 
 
+class Transform:
+    """How a box of a stored tensor's values is computed: `sources` are the fragments to read for
+    it (fresh memory), `apply` computes the box from them in `dtype`."""
+
+    def sources(self, key: str, shape: Sequence[int], dtype: torch.dtype, box: Box) -> List[Fragment]:
+        raise NotImplementedError
+
+    def apply(self, box: Box, read: List[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def value_dtype(self, stored: torch.dtype) -> torch.dtype:
+        """The dtype of the values when nothing asks for another (a tool reading them whole)."""
+        return stored
+
+
 @dataclass(frozen=True)
-class BlockDequant:
+class RowPermute(Transform):
+    """q/k projections stored with each head's rows in Meta's rotary order (pairs interleaved;
+    torchtitan's Llama 3): HF row h·d + a·d/2 + b is stored row h·d + 2b + a. A box needs the
+    stored rows of the heads it touches."""
+    head_dim: int
+
+    def _heads(self, box: Box) -> Tuple[int, int]:
+        (r, _), (n, _) = box
+        return r // self.head_dim, -(-(r + n) // self.head_dim)
+
+    def sources(self, key: str, shape: Sequence[int], dtype: torch.dtype, box: Box) -> List[Fragment]:
+        h0, h1 = self._heads(box)
+        (_, c), (_, nc) = box
+        rows = (h1 - h0) * self.head_dim
+        return [Fragment(key, tuple(shape), dtype, (h0 * self.head_dim, c), torch.empty((rows, nc), dtype=dtype))]
+
+    def apply(self, box: Box, read: List[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        (r, _), (n, nc) = box
+        h0, h1 = self._heads(box)
+        d = self.head_dim
+        hf = read[0].view(h1 - h0, d // 2, 2, nc).transpose(1, 2).reshape((h1 - h0) * d, nc)
+        return hf[r - h0 * d:r - h0 * d + n].to(dtype)
+
+
+@dataclass(frozen=True)
+class BlockDequant(Transform):
     """Block-quantized weights (DeepSeek-V3/R1, Qwen3 FP8): value = weight × scale_inv of its
     `block`, in float32, then cast to the model's dtype. A box needs only the scale blocks its
     rows and columns touch."""
@@ -61,6 +101,7 @@ class BlockDequant:
     scale_shape: Tuple[int, int]
     scale_dtype: torch.dtype
     block: Tuple[int, int]
+    dtype: torch.dtype = torch.bfloat16  # the model's (config.json's), for tools reading them whole
 
     def blocks(self, box: Box) -> Box:
         (r, c), (nr, nc) = box
@@ -83,6 +124,9 @@ class BlockDequant:
         full = scale.float().repeat_interleave(br, 0).repeat_interleave(bc, 1)
         full = full[r - r0 * br:r - r0 * br + nr, c - c0 * bc:c - c0 * bc + nc]
         return (weight.float() * full).to(dtype)
+
+    def value_dtype(self, stored: torch.dtype) -> torch.dtype:
+        return self.dtype
 
 
 def transformed(metadata: Metadata, fragments: List[Fragment], finish: List[Callable[[], None]]) -> List[Fragment]:
