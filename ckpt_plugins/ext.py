@@ -27,10 +27,11 @@ from ._src.data.stream import Order, epoch_order
 from ._src.families.dims import Dims
 from ._src.families.family import FAMILIES, Family
 from ._src.families.hf_config import HF_CONFIG, ModelConfig, hf_config, model_config
-from ._src.families.segments import Segment, segment_fragments, segment_pieces, whole, zero_padding
-from ._src.foreign import (DCP, HF, ForeignMetadata, ForeignReader, StandIn, fit_state, load_pickle_restricted,
-                           load_torch_inert, register_reader)
-from ._src.foreign.dcp import DCP_METADATA, chunk_location, read_dcp_metadata
+from ._src.families.segments import Segment, segment_fragments, segment_pieces, whole, within, zero_padding
+from ._src.foreign import (DCP, HF, ComputedObject, ForeignMetadata, ForeignReader, StandIn, fit_state,
+                           load_pickle_restricted, load_torch_inert, register_reader)
+from ._src.foreign.dcp import DCP_METADATA, chunk_boxes, chunk_location, data_files, dcp_index, read_dcp_metadata
+from ._src.foreign.view import FOREIGN_CHUNK, tensor_meta, view_boxes
 from ._src.foreign.dcp_export import export_dcp
 from ._src.foreign.safetensors import SAFE_INDEX, SAFE_NAME, ST_DTYPES as SAFETENSORS_DTYPES, safetensors_metadata
 from ._src.format import DATA_DIR, FORMAT_NAME, Metadata, dtype_from_name, dtype_name, stored_entries
@@ -55,7 +56,7 @@ __all__ = [
     "frozen_keys", "MODEL", "OPTIM", "MASTER", "master_key",
     # tensors
     "Fragment", "FlatPiece", "Box", "Shape", "box_fragment", "flat_views", "tensor_fragments", "Segment", "whole",
-    "segment_fragments", "segment_pieces", "zero_padding", "TensorMap", "ModelMapping", "register_model_mapping",
+    "segment_fragments", "segment_pieces", "within", "zero_padding", "TensorMap", "ModelMapping", "register_model_mapping",
     "model_mapping", "tensor_map",
     # families
     "FAMILIES", "Family", "Dims", "HF_CONFIG", "ModelConfig", "hf_config", "model_config",
@@ -66,7 +67,8 @@ __all__ = [
     "load_pickle_restricted", "load_torch_inert", "Order", "epoch_order", "load_position", "position_items",
     "MemoryTier", "Coordinator", "SaveHooks", "take_finished", "progress_bar", "bcp",
     # foreign checkpoints
-    "ForeignMetadata", "ForeignReader", "register_reader", "fit_state", "HF", "DCP", "DCP_METADATA", "chunk_location", "read_dcp_metadata", "export_dcp",
+    "ForeignMetadata", "ForeignReader", "register_reader", "fit_state", "HF", "DCP", "ComputedObject",
+    "FOREIGN_CHUNK", "tensor_meta", "view_boxes", "chunk_boxes", "data_files", "dcp_index", "DCP_METADATA", "chunk_location", "read_dcp_metadata", "export_dcp",
     "SAFE_INDEX", "SAFE_NAME", "SAFETENSORS_DTYPES", "safetensors_metadata",
     # optional dependencies
     "require", "require_version", "MissingDependency", "UnsupportedVersion",

@@ -26,14 +26,17 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ckpt_plugins import CorruptCheckpointError, NotACheckpointError
-from ckpt_plugins.ext import (DCP_METADATA, HF_CONFIG, MASTER, MODEL, OPTIM, Dims, LazyFragment, ModelConfig, StandIn,
-                              chunk_location, hf_config, load_torch_inert, model_config, read_dcp_metadata,
-                              saved_groups, segment_pieces, storage_for, write_checkpoint)
+from ckpt_plugins.ext import (DCP_METADATA, FOREIGN_CHUNK, HF_CONFIG, MASTER, MODEL, OPTIM, ComputedObject, Dims,
+                              ForeignMetadata, ForeignReader, LazyFragment, ModelConfig, StandIn, Storage, chunk_boxes,
+                              chunk_location, data_files, dcp_index, dtype_from_name, hf_config, load_torch_inert,
+                              model_config, read_dcp_metadata, read_tensor, saved_groups, segment_pieces, storage_for,
+                              tensor_meta, view_boxes, within, write_checkpoint)
 from .family import OWN_NAMES, Ranks, canonical_segments, megatron_family, moe_layers
 
 from .gpt import LAYOUT_KEYS
-from .training import checkpoint_dir, tracked_iteration
+from .training import BACKEND_FILE, NATIVE_FORMAT as NAME, checkpoint_dir, tracked_iteration
 
+CONFIG = "config.json"  # an HF config beside a checkpoint without run arguments: its sizes
 ALIGN = 64  # the distributed optimizer's parameter alignment in its buffers (elements)
 
 
@@ -41,14 +44,14 @@ class DcpCheckpoint:
     """One torch_dist checkpoint directory, read through the core's DCP reader (one assembled
     tensor cached at a time): tensor chunks as raw bytes in place, objects weights-only."""
 
-    def __init__(self, directory: str):
-        self.dir, self.storage = directory, storage_for(directory)
+    def __init__(self, directory):
+        self.storage = directory if isinstance(directory, Storage) else storage_for(directory)
+        self.dir = str(self.storage)
         if not self.storage.exists(DCP_METADATA):
             raise NotACheckpointError(f"{directory} has no {DCP_METADATA}: not a Megatron torch_dist checkpoint "
                                       f"(or one whose save did not finish)")
         self.md = read_dcp_metadata(self.storage)
-        self.index = {(i.fqn, None if i.offset is None else tuple(i.offset)): info
-                      for i, info in self.md.storage_data.items()}
+        self.index = dcp_index(self.md)
         self._cached: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
 
     def _info(self, fqn: str, offset):
@@ -128,29 +131,45 @@ def _lazy(key_of, segments, shape, load, start: Optional[int], numel: int, dtype
 _EXPERTS = "decoder.layers.mlp.experts.experts."  # stacked [layer, expert, ...] (SequentialMLP / TEGroupedMLP)
 
 
-def _model_fragments(ck: DcpCheckpoint, dims: Dims) -> List[LazyFragment]:
+def _places(fqn: str, shape: Tuple[int, ...]) -> List[Tuple[Tuple[int, ...], str]]:
     """Model tensors are stored TP-merged, layers (and experts) stacked on leading axes: each
-    layer's (expert's) slice is a TP1 / EP1 tensor."""
-    frags: List[LazyFragment] = []
+    layer's (expert's) slice, at this index, is the TP1 / EP1 tensor of this Megatron name."""
+    if fqn.startswith(_EXPERTS):
+        rest = fqn[len(_EXPERTS):]
+        return [((layer, e), f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{rest}")
+                for layer in range(shape[0]) for e in range(shape[1])]
+    if fqn.startswith("decoder.layers."):
+        return [((layer,), f"decoder.layers.{layer}.{fqn[len('decoder.layers.'):]}") for layer in range(shape[0])]
+    return [((), fqn)]
+
+
+def _model_tensors(ck: DcpCheckpoint, dims: Dims) -> Dict[str, Any]:
+    """The model's canonical tensors as raw boxes of the checkpoint's chunks, read in place: each
+    chunk's part of a layer's (expert's) TP1 tensor cut by the same segments as a live model."""
+    boxes: Dict[str, list] = {}
+    shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
     for fqn, meta in ck.tensors().items():
         if ".optimizer." in f".{fqn}" or "_extra_state" in fqn:
             continue
-        shape = tuple(meta.size)
-        if fqn.startswith(_EXPERTS):
-            rest = fqn[len(_EXPERTS):]
-            places = [((layer, e), f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{rest}")
-                      for layer in range(shape[0]) for e in range(shape[1])]
-        elif fqn.startswith("decoder.layers."):
-            places = [((layer,), f"decoder.layers.{layer}.{fqn[len('decoder.layers.'):]}") for layer in range(shape[0])]
-        else:
-            places = [((), fqn)]
-        for index, name in places:
-            local = shape[len(index):]
-            load = (lambda f=fqn, i=index: ck.tensor(f)[i]) if index else (lambda f=fqn: ck.tensor(f))
-            frags += _lazy(lambda n: f"{MODEL}/{n}", canonical_segments(name, local, dims), local, load, None,
-                           math.prod(local), meta.properties.dtype)
-    return frags
-
+        shape, dtype = tuple(meta.size), meta.properties.dtype
+        chunks = chunk_boxes(ck.storage, ck.md, ck.index, fqn)
+        for index, name in _places(fqn, shape):
+            lead, local = len(index), shape[len(index):]
+            segments = canonical_segments(name, local, dims)
+            for chunk in chunks:
+                rel = [i - o for i, o in zip(index, chunk.offsets[:lead])]
+                if any(not 0 <= r < n for r, n in zip(rel, chunk.lengths[:lead])):
+                    continue
+                inner = (tuple(chunk.offsets[lead:]), tuple(chunk.lengths[lead:]))
+                first = sum(r * math.prod(chunk.lengths[d + 1:]) for d, r in enumerate(rel))
+                probe = torch.empty(inner[1], dtype=dtype, device="meta")
+                for seg, view, at in segment_pieces(within(segments, inner), inner[1], probe, None):
+                    if seg.name is not None:
+                        key = f"{MODEL}/{seg.name}"
+                        shapes[key] = (seg.shape, dtype)
+                        boxes.setdefault(key, []).extend(
+                            view_boxes(chunk.file, chunk.offset + first * dtype.itemsize, view, at))
+    return {key: tensor_meta(shapes[key][0], shapes[key][1], b) for key, b in sorted(boxes.items())}
 
 def _stage_params(args, dims: Dims, padded_vocab: int, pp_rank: int, tp_rank: int,
                   expert: Optional[Tuple[int, int]] = None):
@@ -305,11 +324,9 @@ def _common_state(ck: DcpCheckpoint) -> dict:
     return common[0] if isinstance(common, list) else common
 
 
-def import_megatron(directory: str, path, *, weights_only: bool = False, overwrite: bool = False, progress=None,
-                    hf_config_path: Optional[str] = None):
-    """A native torch_dist checkpoint as a ckpt_plugins checkpoint. The model's sizes come from the
-    run's arguments, or from `hf_config_path` (an HF config.json) for a checkpoint without them."""
-    ck = DcpCheckpoint(resolve(directory))
+def _run(ck: DcpCheckpoint, config_json: Optional[bytes]):
+    """(common state, run arguments, Dims, ModelConfig, padded vocabulary) of a torch_dist
+    checkpoint: the sizes from the run's arguments, or from an HF config.json for one without them."""
     common = _common_state(ck)
     args = common.get("args")
     embedding = ck.tensors().get("embedding.word_embeddings.weight") or ck.tensors().get("output_layer.weight")
@@ -317,9 +334,8 @@ def import_megatron(directory: str, path, *, weights_only: bool = False, overwri
         raise NotACheckpointError(f"{ck.dir} holds no GPT embedding or output layer (model keys "
                                   f"{sorted(ck.tensors())[:3]}...): not a megatron-core GPT checkpoint")
     padded_vocab = int(embedding.size[0])
-    if hf_config_path is not None:
-        with open(hf_config_path) as f:
-            config = model_config(json.load(f))
+    if config_json is not None:
+        config = model_config(json.loads(config_json))
         dims = replace(config.dims, vocab=min(config.dims.vocab, padded_vocab))
     elif isinstance(args, StandIn):
         dims = _args_dims(args, padded_vocab)
@@ -328,9 +344,61 @@ def import_megatron(directory: str, path, *, weights_only: bool = False, overwri
         raise NotACheckpointError(
             f"{ck.dir}: its common state has no run arguments (written by megatron.core.dist_checkpointing.save "
             "outside megatron.training, e.g. by Megatron-Bridge or NeMo): pass --hf-config CONFIG_JSON, the "
-            "model's HF config.json, to take its sizes from it (the weights are imported; its optimizer state, "
-            "if any, needs the run's arguments)")
-    fragments = _model_fragments(ck, dims)
+            "model's HF config.json, to take its sizes from it (or put it beside .metadata to load in place; the "
+            "weights come in; its optimizer state, if any, needs the run's arguments)")
+    return common, args, dims, config, padded_vocab
+
+
+def read_megatron(storage) -> ForeignMetadata:
+    """A torch_dist checkpoint directory as foreign metadata: the model's weights under the HF
+    family's names, read in place from its chunks, at any layout (its optimizer state comes in
+    through `bcp import-megatron`). Sizes from the run's arguments, or a config.json beside it."""
+    ck = DcpCheckpoint(storage)
+    common, args, dims, config, _ = _run(ck, storage.read_bytes(CONFIG) if storage.exists(CONFIG) else None)
+    objects, descriptive = {}, ()
+    if dims.family != OWN_NAMES.name:
+        text = json.dumps(hf_config(config), indent=2)
+        objects[HF_CONFIG] = [ComputedObject(file="", offset=0, nbytes=0, crc32c=[], encoding="json",
+                                             compute=lambda _: text)]
+        descriptive = (HF_CONFIG,)
+    return ForeignMetadata(tensors=_model_tensors(ck, dims), objects=objects, files=data_files(storage, ck.index),
+                           framework="megatron", layout={"format": "torch_dist", **_layout(args)},
+                           step=int(common.get("iteration", 0)) if common else None, chunk_bytes=FOREIGN_CHUNK,
+                           source=NAME, descriptive=descriptive)
+
+
+def _layout(args) -> Dict[str, Any]:
+    if not isinstance(args, StandIn):
+        return {}
+    return dict(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                ep=getattr(args, "expert_model_parallel_size", 1) or 1,
+                distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+
+
+def is_torch_dist(storage) -> bool:
+    """A torch_dist checkpoint: DCP's `.metadata` beside Megatron's own `metadata.json` naming it."""
+    return (storage.exists(DCP_METADATA) and storage.exists(BACKEND_FILE)
+            and b'"torch_dist"' in storage.read_bytes(BACKEND_FILE)[:256])
+
+
+READER = ForeignReader(NAME, is_torch_dist, read_megatron)
+
+
+def import_megatron(directory: str, path, *, weights_only: bool = False, overwrite: bool = False, progress=None,
+                    hf_config_path: Optional[str] = None):
+    """A native torch_dist checkpoint as a ckpt_plugins checkpoint. The model's sizes come from the
+    run's arguments, or from `hf_config_path` (an HF config.json) for a checkpoint without them.
+    The weights are read by the same reader as a load in place."""
+    ck = DcpCheckpoint(resolve(directory))
+    config_json = None
+    if hf_config_path is not None:
+        with open(hf_config_path, "rb") as f:
+            config_json = f.read()
+    common, args, dims, config, padded_vocab = _run(ck, config_json)
+    view = ForeignMetadata(tensors=_model_tensors(ck, dims), objects={}, files=data_files(ck.storage, ck.index),
+                           chunk_bytes=FOREIGN_CHUNK)
+    fragments = [LazyFragment(key, meta.shape, dtype_from_name(meta.dtype), (0,) * len(meta.shape), meta.shape,
+                              lambda k=key: read_tensor(ck.storage, view, k)) for key, meta in view.tensors.items()]
     objects: Dict[str, Any] = {"megatron/iteration": int(common.get("iteration", 0)),
                                "megatron/num_floating_point_operations_so_far":
                                    float(common.get("num_floating_point_operations_so_far", 0))}
@@ -360,10 +428,6 @@ def import_megatron(directory: str, path, *, weights_only: bool = False, overwri
             objects.update({f"sched/{k}": v for k, v in sched.items()})
     elif not weights_only and isinstance(args, StandIn):
         raise ValueError("only the distributed optimizer's state is imported; pass --weights-only")
-    layout = {"imported_from": "megatron torch_dist"}
-    if isinstance(args, StandIn):
-        layout.update(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                      ep=getattr(args, "expert_model_parallel_size", 1) or 1,
-                      distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+    layout = {"imported_from": "megatron torch_dist", **_layout(args)}
     return write_checkpoint(path, fragments, objects, framework="megatron", layout=layout,
                             step=objects["megatron/iteration"], overwrite=overwrite, progress=progress)

@@ -115,6 +115,7 @@ def test_ckpt_backend_flag_saves_and_resumes_through_megatron_training_and_impor
     assert out.returncode == 0, out.stderr
     assert "iteration 2" in out.stdout
     assert_same_canonical_state(os.path.join(ours, "iter_0000002"), imported, 60)
+    assert_read_in_place_as_imported(native, imported)
 
 
 def memory_worker(rank, world, root, hosts_dir, losses_path):
@@ -170,6 +171,24 @@ def test_non_persistent_saves_go_to_the_memory_tier_and_a_restart_on_fewer_ranks
         run_ranks(2, memory_restart_worker, root, hosts_dir, losses)
     finally:
         shutil.rmtree(hosts_dir, ignore_errors=True)
+
+
+def assert_read_in_place_as_imported(native, imported) -> None:
+    """`cp.load` of the native torch_dist directory itself (no import) fills a model's canonical
+    weights with exactly what `bcp import-megatron` wrote, reading every stored chunk byte once."""
+    from ckpt_plugins._src.format import dtype_from_name
+    from ckpt_plugins._src.offline import open_checkpoint, read_tensor
+    from megatron_ext.native import resolve
+    path = resolve(native)
+    assert cp.checkpoint_format(path) == "Megatron torch_dist"
+    storage, meta = open_checkpoint(imported)
+    keys = [k for k in meta.tensors if k.startswith("model/")]
+    live = {k[len("model/"):]: torch.full(meta.tensors[k].shape, float("nan"), dtype=dtype_from_name(meta.tensors[k].dtype))
+            for k in keys}
+    result = cp.load(path, {"model": live})
+    for key in keys:
+        assert torch.equal(live[key[len("model/"):]], read_tensor(storage, meta, key)), key
+    assert result.read_bytes == result.unverified_bytes == sum(t.nbytes for t in live.values())
 
 
 def assert_same_canonical_state(ours, imported, at_least):
@@ -237,6 +256,7 @@ def test_import_megatron_of_moe_with_expert_parallelism_and_of_checkpoints_witho
     assert out.returncode == 0, out.stderr
     assert "EP2" in out.stdout
     assert_same_canonical_state(os.path.join(root, "ours", "iter_0000002"), os.path.join(root, "imported"), 200)
+    assert_read_in_place_as_imported(os.path.join(root, "native"), os.path.join(root, "imported"))
 
     out = subprocess.run(bcp + [os.path.join(root, "bare"), os.path.join(root, "bare_imported"), "--weights-only"],
                          capture_output=True, text=True)

@@ -6,6 +6,7 @@ order on a directory that is not ours; extensions add their frameworks' native f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..format import Metadata, stored_entries
@@ -30,15 +31,27 @@ class ForeignReader:
 _READERS: List[ForeignReader] = [ForeignReader(HF, is_hf_dir, read_hf_dir), ForeignReader(DCP, is_dcp_dir, read_dcp)]
 
 
-def register_reader(reader: ForeignReader, first: bool = False) -> None:
-    """Make `load` and the tools read another format (`first`: before the built-in ones, for a
-    format whose directories also look like one of them)."""
+_DISCOVERED: List[bool] = []
+ENTRY_POINTS = "ckpt_plugins.readers"  # extensions' formats, found on first use whatever the job imported
+
+
+def register_reader(reader: ForeignReader) -> None:
+    """Make `load` and the tools read another format. Extensions' readers go before the built-in
+    ones: a framework's native directory may also look like one of them (Megatron's is DCP)."""
     if all(r.name != reader.name for r in _READERS):
-        _READERS.insert(0 if first else len(_READERS), reader)
+        _READERS.insert(sum(r.name not in (HF, DCP) for r in _READERS), reader)
+
+
+def _readers() -> List[ForeignReader]:
+    if not _DISCOVERED:
+        _DISCOVERED.append(True)
+        for entry in entry_points(group=ENTRY_POINTS):
+            register_reader(entry.load())
+    return _READERS
 
 
 def readers() -> List[str]:
-    return [r.name for r in _READERS]
+    return [r.name for r in _readers()]
 
 
 def fit_state(state: Dict[str, Any], metadata: Metadata) -> Tuple[Dict[str, Any], List[str]]:
@@ -54,12 +67,12 @@ def fit_state(state: Dict[str, Any], metadata: Metadata) -> Tuple[Dict[str, Any]
 
 def detect(storage: Storage) -> Optional[str]:
     """The name of the format a reader knows the directory as; None when none does."""
-    return next((r.name for r in _READERS if r.detect(storage)), None)
+    return next((r.name for r in _readers() if r.detect(storage)), None)
 
 
 def read_foreign(storage: Storage) -> Optional[ForeignMetadata]:
     """The directory as foreign metadata, or None when no reader knows it."""
-    for reader in _READERS:
+    for reader in _readers():
         if reader.detect(storage):
             return reader.read(storage)
     return None

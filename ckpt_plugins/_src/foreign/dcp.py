@@ -22,7 +22,7 @@ import pickle
 import re
 import struct
 import zipfile
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -164,10 +164,27 @@ def _model_prefix(model_keys: List[str], others: bool) -> str:
     return "model." if nested and (others or all(k.startswith("model.model.") for k in model_keys)) else ""
 
 
-def read_dcp(storage: Storage) -> ForeignMetadata:
-    """The DCP checkpoint at `storage` as foreign metadata (see the module docstring)."""
-    md = read_dcp_metadata(storage)
-    index = {(i.fqn, None if i.offset is None else tuple(i.offset)): info for i, info in md.storage_data.items()}
+def dcp_index(md) -> Dict[Tuple[str, Optional[Tuple[int, ...]]], Any]:
+    """DCP's storage records by (key, chunk offsets; None for a bytes item)."""
+    return {(i.fqn, None if i.offset is None else tuple(i.offset)): info for i, info in md.storage_data.items()}
+
+
+def chunk_boxes(storage: Storage, md, index, fqn: str) -> List[StoredBox]:
+    """The stored tensor `fqn`'s chunks as raw boxes of its global shape, read in place."""
+    meta = md.state_dict_metadata[fqn]
+    dtype, boxes = meta.properties.dtype, []
+    for chunk in meta.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        info = index.get((fqn, offsets))
+        if info is None:
+            raise CorruptCheckpointError(f"{storage}: {DCP_METADATA} has no stored item for {fqn} at {list(offsets)}")
+        boxes.append(raw_box(info.relative_path, chunk_location(storage, info, fqn, dtype, sizes), dtype,
+                             offsets, sizes))
+    return boxes
+
+
+def data_files(storage: Storage, index) -> Dict[str, int]:
+    """The data files DCP's records name, with their sizes; every record checked to fit its file."""
     files: Dict[str, int] = {}
     for info in index.values():
         if getattr(info, "transform_descriptors", None):
@@ -181,6 +198,14 @@ def read_dcp(storage: Storage) -> ForeignMetadata:
         if info.offset + info.length > files[name]:
             raise CorruptCheckpointError(f"{storage}/{name} is truncated: {files[name]} bytes, an item needs "
                                          f"{info.offset + info.length}")
+    return files
+
+
+def read_dcp(storage: Storage) -> ForeignMetadata:
+    """The DCP checkpoint at `storage` as foreign metadata (see the module docstring)."""
+    md = read_dcp_metadata(storage)
+    index = dcp_index(md)
+    files = data_files(storage, index)
     entries = md.state_dict_metadata
     tensor_keys = [k for k, v in entries.items() if hasattr(v, "chunks")]
     groups = [k for k in entries if _GROUPS.fullmatch(k)]
@@ -191,15 +216,7 @@ def read_dcp(storage: Storage) -> ForeignMetadata:
     for fqn in tensor_keys:
         meta = entries[fqn]
         m = _STATE.fullmatch(fqn)
-        dtype = meta.properties.dtype
-        boxes = []
-        for chunk in meta.chunks:
-            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            info = index.get((fqn, offsets))
-            if info is None:
-                raise CorruptCheckpointError(f"{storage}: {DCP_METADATA} has no stored item for {fqn} at {list(offsets)}")
-            boxes.append(raw_box(info.relative_path, chunk_location(storage, info, fqn, dtype, sizes), dtype,
-                                 offsets, sizes))
+        dtype, boxes = meta.properties.dtype, chunk_boxes(storage, md, index, fqn)
         for name, shape, named_boxes in names.tensors(m.group(1) if m else fqn[len(prefix):], tuple(meta.size),
                                                        dtype, boxes):
             key = f"{OPTIM}/{name}/{m.group(2)}" if m else f"{MODEL}/{name}"

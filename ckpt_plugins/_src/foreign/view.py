@@ -5,6 +5,7 @@ block quantization). Resharding and read-once loading then work unchanged.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Sequence, Tuple
@@ -46,6 +47,22 @@ def raw_box(file: str, offset: int, dtype: torch.dtype, offsets: Sequence[int], 
     """A box of row-major bytes at `offset` of `file`, with no checksums."""
     return StoredBox(file=file, offset=offset, nbytes=math.prod(lengths) * dtype.itemsize, crc32c=[],
                      offsets=tuple(int(o) for o in offsets), lengths=tuple(int(n) for n in lengths))
+
+
+def view_boxes(file: str, base: int, view: torch.Tensor, at: Sequence[int]) -> List[StoredBox]:
+    """A view (any strides; a meta tensor will do) of row-major bytes stored from `base` in `file`,
+    as raw boxes of the canonical tensor it is the box at `at` of: one per contiguous run."""
+    shape, strides, itemsize = tuple(view.shape), view.stride(), view.element_size()
+    k, expect = len(shape), 1
+    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == expect):  # the contiguous trailing dims
+        expect *= shape[k - 1]
+        k -= 1
+    boxes = []
+    for index in itertools.product(*(range(n) for n in shape[:k])):
+        element = view.storage_offset() + sum(i * s for i, s in zip(index, strides))
+        boxes.append(raw_box(file, base + element * itemsize, view.dtype,
+                             tuple(a + i for a, i in zip(at, index)) + tuple(at[k:]), (1,) * k + shape[k:]))
+    return boxes
 
 
 def tensor_meta(shape: Sequence[int], dtype: torch.dtype, boxes: List[StoredBox]) -> TensorMeta:
