@@ -30,7 +30,8 @@ from ._src.families.hf_config import HF_CONFIG, ModelConfig, hf_config, model_co
 from ._src.families.segments import Segment, segment_fragments, segment_pieces, whole, within, zero_padding
 from ._src.foreign import (DCP, HF, ComputedObject, ForeignMetadata, ForeignReader, StandIn, fit_state,
                            load_pickle_restricted, load_torch_inert, register_reader)
-from ._src.foreign.dcp import DCP_METADATA, chunk_boxes, chunk_location, data_files, dcp_index, read_dcp_metadata
+from ._src.foreign.dcp import (DCP_METADATA, DcpNaming, chunk_boxes, chunk_location, data_files, dcp_index,
+                               read_dcp_metadata, register_dcp_naming)
 from ._src.foreign.view import FOREIGN_CHUNK, tensor_meta, view_boxes
 from ._src.foreign.dcp_export import export_dcp
 from ._src.foreign.safetensors import SAFE_INDEX, SAFE_NAME, ST_DTYPES as SAFETENSORS_DTYPES, safetensors_metadata
@@ -68,7 +69,8 @@ __all__ = [
     "MemoryTier", "Coordinator", "SaveHooks", "take_finished", "progress_bar", "bcp",
     # foreign checkpoints
     "ForeignMetadata", "ForeignReader", "register_reader", "fit_state", "HF", "DCP", "ComputedObject",
-    "FOREIGN_CHUNK", "tensor_meta", "view_boxes", "chunk_boxes", "data_files", "dcp_index", "DCP_METADATA", "chunk_location", "read_dcp_metadata", "export_dcp",
+    "FOREIGN_CHUNK", "tensor_meta", "view_boxes", "chunk_boxes", "data_files", "dcp_index", "DcpNaming",
+    "register_dcp_naming", "DCP_METADATA", "chunk_location", "read_dcp_metadata", "export_dcp",
     "SAFE_INDEX", "SAFE_NAME", "SAFETENSORS_DTYPES", "safetensors_metadata",
     # optional dependencies
     "require", "require_version", "MissingDependency", "UnsupportedVersion",

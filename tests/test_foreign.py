@@ -147,7 +147,7 @@ def _to_torchtitan(name: str, t: torch.Tensor, heads: int, kv_heads: int) -> tup
 def test_torchtitan_names_are_the_hf_family_names_its_adapters_give():
     """Old and fused-QKV names, Qwen3 norms, DeepSeek-V3 MLA and stacked experts (torchtitan's
     state-dict adapters' tables); only Llama 3 is stored rotary-permuted."""
-    from ckpt_plugins._src.foreign import torchtitan as tt
+    from hf_ext import torchtitan_names as tt
     assert tt.hf_name("layers.3.attention.qkv_linear.wk.weight") == "model.layers.3.self_attn.k_proj.weight"
     assert tt.hf_name("layers.3.attention.wk.weight") == "model.layers.3.self_attn.k_proj.weight"
     assert tt.hf_name("output.weight") == tt.hf_name("lm_head.weight") == "lm_head.weight"

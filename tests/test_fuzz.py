@@ -1,6 +1,7 @@
 """Fuzzing the metadata parser and the loader (hypothesis): random bytes, random JSON, mutated valid
 metadata, mutated data files. Only the project's own exceptions come out, and the loader never opens
 a file outside the checkpoint. Plus planted attacks: pickles that would run code, paths that leave."""
+import importlib.util
 import io
 import json
 import os
@@ -49,7 +50,9 @@ def valid(tmp_path_factory):
     return path
 
 
-TRUSTED = tuple(os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(cp.__file__)))
+# the interpreter's, the package's and its extensions' own files (a reader's entry point imports its extension)
+TRUSTED = tuple(os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(cp.__file__)) + tuple(
+    os.path.dirname(importlib.util.find_spec(ext).origin) for ext in ("hf_ext", "deepspeed_ext", "megatron_ext")))
 
 
 class FileAudit:
@@ -176,3 +179,77 @@ def test_a_pickle_that_would_run_code_is_refused_and_never_runs(valid, tmp_path)
     (work / "metadata.json").write_text(json.dumps(raw))
     with pytest.raises(cp.MetadataError):
         cp.load(work, state(1))
+
+
+# ---------------------------------------------------------------- checkpoints read in place
+
+
+def foreign_outcome(path, target) -> str:
+    """Load a foreign checkpoint into `target`: "ok" or the name of our error; every file opened
+    lies inside it. (Foreign formats carry no checksums: a mutation that keeps the files
+    self-consistent loads whatever the bytes now say.)"""
+    FileAudit.install()
+    FileAudit.inside, FileAudit.active, FileAudit.escapes = os.path.realpath(path), True, []
+    try:
+        cp.load(path, target)
+        return "ok"
+    except cp.CheckpointError as exc:
+        return type(exc).__name__
+    finally:
+        FileAudit.active = False
+        assert FileAudit.escapes == [], FileAudit.escapes
+
+
+@pytest.fixture(scope="module")
+def foreign_dirs(tmp_path_factory):
+    """An HF safetensors directory and a DCP checkpoint of the same small model."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    root = tmp_path_factory.mktemp("foreign")
+    model = state(0)["model"]
+    os.makedirs(root / "hf")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, root / "hf" / "model.safetensors")
+    dcp.save({"model": model.state_dict(), "extra": {"step": 3}}, checkpoint_id=root / "dcp", no_dist=True)
+    return root
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_safetensors_headers_load_or_fail_with_our_errors_inside_the_directory(foreign_dirs, tmp_path, data):
+    import struct
+    work = tmp_path / "hf"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(foreign_dirs / "hf", work)
+    blob = (work / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    where = data.draw(st.sampled_from(list(paths(header))))
+    replacement = data.draw(JSON | st.sampled_from(["F64", "BF16", "F8_E4M3", [0, 2**62], [-1, 4], [0, 0], [2, 3]]))
+    raw = json.dumps(mutate(header, where, replacement)).encode()
+    if data.draw(st.booleans()):
+        raw = raw[:data.draw(st.integers(0, len(raw)))]  # a torn header
+    (work / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + blob[8 + n:])
+    foreign_outcome(work, {"model": state(1)["model"]})
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_dcp_files_load_or_fail_with_our_errors_inside_the_directory(foreign_dirs, tmp_path, data):
+    """Flipped, truncated or extended bytes in `.metadata` (a pickle read through an allowlist) or
+    in a data file (torch.save archives whose data.pkl is read through one too)."""
+    work = tmp_path / "dcp"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(foreign_dirs / "dcp", work)
+    target = data.draw(st.sampled_from(sorted(work.iterdir())))
+    blob = bytearray(target.read_bytes())
+    kind = data.draw(st.sampled_from(["flip", "truncate", "extend"]))
+    if kind == "flip" and blob:
+        for _ in range(data.draw(st.integers(1, 4))):
+            i = data.draw(st.integers(0, len(blob) - 1))
+            blob[i] ^= data.draw(st.integers(1, 255))
+    elif kind == "truncate":
+        blob = blob[:data.draw(st.integers(0, max(0, len(blob) - 1)))]
+    else:
+        blob += bytes(data.draw(st.integers(1, 100)))
+    target.write_bytes(bytes(blob))
+    foreign_outcome(work, {"model": state(1)["model"], "extra": cp.Ignore()})

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import Metadata, stored_entries
 from ..state import Ignore
 from ..storage import Storage
@@ -74,5 +75,11 @@ def read_foreign(storage: Storage) -> Optional[ForeignMetadata]:
     """The directory as foreign metadata, or None when no reader knows it."""
     for reader in _readers():
         if reader.detect(storage):
-            return reader.read(storage)
+            try:
+                return reader.read(storage)
+            except (CheckpointError, OSError):
+                raise
+            except Exception as exc:  # a malformed file the format's own checks let through
+                raise CorruptCheckpointError(f"{storage} is not a readable {reader.name} checkpoint: "
+                                             f"{type(exc).__name__}: {exc}") from None
     return None

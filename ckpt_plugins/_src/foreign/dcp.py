@@ -1,4 +1,4 @@
-"""PyTorch DCP checkpoints (`dcp.save`, torchtitan, Megatron's torch_dist) as foreign checkpoints.
+"""PyTorch DCP checkpoints (`dcp.save`, and the frameworks that save through it) as foreign checkpoints.
 
 `.metadata` is a pickle: it is read with an allowlist of DCP's own metadata classes, never by
 running code from it. Each stored tensor chunk is a small `torch.save` archive (an uncompressed
@@ -7,10 +7,11 @@ where in the archive the chunk's raw bytes lie, so a chunk is one stored box rea
 Other items (DCP's bytes entries) are `torch.save` payloads, read back weights-only.
 
 Names: DCP flattens nested state dicts with dots. `optim.state.<fqn>.<state>` (also `optimizer.`
-or no prefix: `get_state_dict` and torchtitan) becomes `optim/<fqn>/<state>`, the param groups
-one `optim/param_groups`, and the model's tensors `model/<fqn>`, with a leading `model.` removed
-when every model tensor has one and the checkpoint holds other entries beside it (a state dict
-saved as {"model": ..., "optim": ...}).
+or no prefix, as `get_state_dict` flattens it) becomes `optim/<fqn>/<state>`, the param groups one
+`optim/param_groups`, and the model's tensors `model/<fqn>`, with a leading `model.` removed when
+every model tensor has one and the checkpoint holds other entries beside it (a state dict saved as
+{"model": ..., "optim": ...}). A framework's own names (registered `DcpNaming`s, entry point
+`ckpt_plugins.dcp_names`) become the HF family names.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ import pickle
 import re
 import struct
 import zipfile
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -32,12 +35,11 @@ from ..objects import decode_object
 from ..state import MODEL, OPTIM
 from ..storage import Storage
 from .pickles import load_pickle_restricted
-from . import torchtitan
 from .view import FOREIGN_CHUNK, ComputedObject, ForeignMetadata, RowPermute, raw_box, tensor_meta
 
 NAME = "PyTorch DCP"
 DCP_METADATA = ".metadata"
-CONFIG = "config.json"  # an HF config beside a torchtitan checkpoint: its attention head size
+CONFIG = "config.json"  # an HF config beside a checkpoint stored rotary-permuted: its attention head size
 _STATE = re.compile(r"(?:(?:optim|optimizer)\.)?state\.(.+)\.([^.]+)")
 _GROUPS = re.compile(r"(?:(?:optim|optimizer)\.)?param_groups\.(.+)\.([^.]+)")
 
@@ -139,7 +141,9 @@ def chunk_location(storage: Storage, info, fqn: str, dtype: torch.dtype, sizes: 
                 raise CorruptCheckpointError(f"{what}: the item is not a torch.save archive (no data.pkl)")
             storage_ref, offset, size, stride = _TensorRecord(io.BytesIO(archive.read(pkl))).load()
             record = infos.get(f"{pkl[:-len('data.pkl')]}data/{storage_ref[2]}")
-    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, IndexError, EOFError) as exc:
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:  # whatever a damaged archive makes zipfile or the unpickler raise
         raise CorruptCheckpointError(f"{what}: the item is not a plain torch.save'd tensor ({exc})") from None
     if record is None or record.compress_type != zipfile.ZIP_STORED:
         raise CorruptCheckpointError(f"{what}: the tensor's bytes are missing or compressed in its archive")
@@ -239,38 +243,75 @@ def read_dcp(storage: Storage) -> ForeignMetadata:
                            transforms=transforms)
 
 
+@dataclass(frozen=True)
+class DcpNaming:
+    """A framework's own tensor names in DCP checkpoints, as the HF family's: `matches(model
+    names)`, `rename(name)` (None: no HF name), `stacked(name)` (stacked experts: the HF name with
+    `{}` for the expert index, else None), `rotary_permuted(HF names)`: q/k rows stored in Meta's
+    rotary order per attention head."""
+    name: str
+    matches: Callable[[List[str]], bool]
+    rename: Callable[[str], Optional[str]]
+    stacked: Callable[[str], Optional[str]]
+    rotary_permuted: Callable[[List[str]], bool]
+
+
+_NAMINGS: List[DcpNaming] = []
+_FOUND: List[bool] = []
+
+
+def register_dcp_naming(naming: DcpNaming) -> None:
+    if all(n.name != naming.name for n in _NAMINGS):
+        _NAMINGS.append(naming)
+
+
+def _namings() -> List[DcpNaming]:
+    if not _FOUND:
+        _FOUND.append(True)
+        for entry in entry_points(group="ckpt_plugins.dcp_names"):
+            register_dcp_naming(entry.load())
+    return _NAMINGS
+
+
+def head_dim(config: Dict) -> int:
+    """The attention head size an HF config.json gives."""
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 class _Names:
-    """The names a DCP checkpoint's model tensors load under: as stored, or torchtitan's mapped to
-    the HF family names (`torchtitan`), its stacked experts split into per-expert tensors and, for
-    Llama 3, q/k rows permuted per head, which needs the head dim from a config.json beside it."""
+    """The names a DCP checkpoint's model tensors load under: as stored, or a framework's mapped to
+    the HF family names (a registered `DcpNaming`), its stacked experts split into per-expert
+    tensors and q/k rows stored rotary-permuted put back in HF's order, which needs the head size
+    from a config.json beside the checkpoint."""
 
     def __init__(self, storage: Storage, model_names: List[str]):
-        self.kind = "torchtitan" if torchtitan.is_torchtitan(model_names) else "as stored"
+        self.naming = next((n for n in _namings() if n.matches(model_names)), None)
+        self.kind = self.naming.name if self.naming else "as stored"
         self.permuted: Dict[str, int] = {}  # HF name -> head dim, for RowPermute
         self.experts: Dict[str, List[str]] = {}  # a stacked tensor's name -> its experts' names
-        if self.kind == "as stored":
+        if self.naming is None:
             return
-        hf = [torchtitan.hf_name(n) for n in model_names]
-        if torchtitan.rotary_permuted([n for n in hf if n]):
+        hf = [self.naming.rename(n) for n in model_names]
+        if self.naming.rotary_permuted([n for n in hf if n]):
             if not storage.exists(CONFIG):
                 raise NotACheckpointError(
-                    f"{storage} is a torchtitan Llama checkpoint, whose q/k rows are stored in Meta's rotary order "
-                    f"per attention head: put the model's HF {CONFIG} beside {DCP_METADATA} so the head size is known")
+                    f"{storage} is a {self.kind} checkpoint whose q/k rows are stored in Meta's rotary order per "
+                    f"attention head: put the model's HF {CONFIG} beside {DCP_METADATA} so the head size is known")
             try:
-                _, _, head_dim = torchtitan.head_counts(json.loads(storage.read_bytes(CONFIG)))
+                size = head_dim(json.loads(storage.read_bytes(CONFIG)))
             except (ValueError, KeyError, TypeError) as exc:
                 raise CorruptCheckpointError(f"{storage}/{CONFIG} gives no attention head size: {exc}") from None
-            self.permuted = {n: head_dim for n in hf if n and n.endswith((".q_proj.weight", ".k_proj.weight"))}
+            self.permuted = {n: size for n in hf if n and n.endswith((".q_proj.weight", ".k_proj.weight"))}
 
     def of(self, name: str) -> List[str]:
         """The names `name` loads as (a stacked expert tensor: one per expert, known from its shape)."""
-        if self.kind == "as stored":
+        if self.naming is None:
             return [name]
-        return self.experts.get(name) or [torchtitan.hf_name(name) or name]
+        return self.experts.get(name) or [self.naming.rename(name) or name]
 
     def tensors(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, boxes: List[StoredBox]):
         """(name, shape, boxes) of the tensors a stored one is: itself renamed, or one per expert."""
-        stacked = torchtitan.stacked_hf_name(name) if self.kind == "torchtitan" else None
+        stacked = self.naming.stacked(name) if self.naming else None
         if stacked is None:
             return [(self.of(name)[0], shape, boxes)]
         per_expert: Dict[int, List[StoredBox]] = collections.defaultdict(list)

@@ -1,14 +1,17 @@
 """torchtitan's own parameter names (its Llama 3, Qwen3 and DeepSeek-V3 models, before and after
-its fused-QKV renaming) as the HF family names, as its state-dict adapters map them: pure functions.
+its fused-QKV renaming) as the HF family names, as its state-dict adapters map them: pure
+functions, given to the core's DCP reader (entry point `ckpt_plugins.dcp_names`).
 
 Stacked routed experts ([E, F, D] `w1_EFD`/`w3_EFD`, [E, D, F] `w2_EDF`) are per-expert HF tensors
 along their first axis. Llama 3's adapter permutes the q/k rows of each attention head (Meta's
-rotary layout to HF's), so those load through `RowPermute`; Qwen3's and DeepSeek-V3's do not.
+rotary layout to HF's), so the reader undoes that; Qwen3's and DeepSeek-V3's do not permute.
 """
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
+
+from ckpt_plugins.ext import DcpNaming
 
 _L = r"layers\.(\d+)\."
 _NAMES: List[Tuple[str, str]] = [  # (torchtitan regex, HF name; {0} the layer)
@@ -78,8 +81,4 @@ def rotary_permuted(hf_names) -> bool:
     return not any(".q_norm." in n or ".kv_a_proj_with_mqa." in n or ".q_a_proj." in n for n in names)
 
 
-def head_counts(config: Dict) -> Tuple[int, int, int]:
-    """(heads, key-value heads, head dim) from an HF config.json."""
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    return heads, kv, config.get("head_dim") or config["hidden_size"] // heads
+NAMING = DcpNaming("torchtitan", is_torchtitan, hf_name, stacked_hf_name, rotary_permuted)
