@@ -476,3 +476,19 @@ def test_a_foreign_tensor_that_does_not_fit_the_model_is_refused_before_any_read
     with pytest.raises(cp.LoadMismatchError, match="shape"):
         cp.load(path, {"model": model})
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_model_only_checkpoint_into_a_job_with_an_optimizer_says_what_it_holds(tmp_path):
+    """strict: the optimizer's state is named missing, and the message says the HF directory holds
+    the model only and how to load it; nothing is touched. strict=False loads the model."""
+    path = _tiny_hf(tmp_path)
+    model = tiny_llama(1)
+    opt = torch.optim.AdamW(model.parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(cp.LoadMismatchError, match=r"optim/param_groups.*HF safetensors, read in place; it holds "
+                                                    r"model only"):
+        cp.load(path, {"model": model, "optim": opt})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    result = cp.load(path, {"model": model, "optim": opt}, strict=False)
+    assert result.missing_keys == ["optim/param_groups"] and not opt.state
+    assert all(torch.equal(a, b) for a, b in zip(tiny_llama(0).state_dict().values(), model.state_dict().values()))

@@ -19,6 +19,7 @@ from .committed import check_files, read_metadata, read_object
 from .coordinator import Coordinator
 from .engine.exchange import ReadWork, read_items
 from .foreign.view import ForeignMetadata, transformed
+from .format import stored_entries
 from .errors import CheckpointError, LoadMismatchError
 from .plan import (LoadPlan, ReadItem, ReadRequest, Run, StoredItem, Transfer, assign_transfers, candidate_keys,
                    plan_load, read_request, resolve_key, runs_of, specs_of)
@@ -54,7 +55,13 @@ class Load:
 
     def check(self, result: LoadResult) -> None:
         if self.strict and (result.missing_keys or result.unexpected_keys):
-            raise LoadMismatchError(_key_report(result))
+            report = _key_report(result)
+            source = getattr(self.metadata, "source", "")
+            if source and result.missing_keys:  # a model-only format into a job with more state
+                held = ", ".join(sorted(stored_entries(self.metadata) - set(getattr(self.metadata, "descriptive", ()))))
+                report += (f" The checkpoint is {source}, read in place; it holds {held} only: load those entries "
+                           f"(e.g. {{'model': model}}), or use strict=False")
+            raise LoadMismatchError(report)
 
     def prepare(self) -> LoadResult:
         """Metadata, handlers and the load plan on every rank, agreed; nothing touched yet. The
