@@ -492,3 +492,20 @@ def test_a_model_only_checkpoint_into_a_job_with_an_optimizer_says_what_it_holds
     result = cp.load(path, {"model": model, "optim": opt}, strict=False)
     assert result.missing_keys == ["optim/param_groups"] and not opt.state
     assert all(torch.equal(a, b) for a, b in zip(tiny_llama(0).state_dict().values(), model.state_dict().values()))
+
+
+def test_a_foreign_dtype_the_model_cannot_take_exactly_is_refused_and_a_widening_loads(tmp_path):
+    """bf16 files into an fp16 model: refused before any read, naming both dtypes (a narrowing or
+    lossy cast happens only when asked for); into an fp32 model: exact upcasts, as
+    `from_pretrained(dtype=torch.float32)` gives."""
+    path = os.path.join(tmp_path, "bf16")
+    tiny_llama(0, dtype=torch.bfloat16).save_pretrained(path)
+    model = tiny_llama(1, dtype=torch.float16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(cp.LoadMismatchError, match="wants float16.*bfloat16"):
+        cp.load(path, {"model": model})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    model = tiny_llama(1)
+    cp.load(path, {"model": model})
+    for a, b in zip(tiny_llama(0, dtype=torch.bfloat16).state_dict().values(), model.state_dict().values()):
+        assert b.dtype == torch.float32 and torch.equal(a.float(), b)

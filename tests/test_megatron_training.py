@@ -101,6 +101,21 @@ def hook_worker(rank, world, root, native):
     opt = mu.build_optimizer(model)
     assert checkpointing.load_checkpoint([model], opt, None) == (0, 123.0)
     assert not any(opt.chained_optimizers[0].optimizer.state.values())
+    finetuned = [p.detach().clone() for p in model.parameters()]
+
+    # --load at an HF directory (this checkpoint's weights, exported): read in place, iteration 0,
+    # the same weights as the --finetune load of the checkpoint itself
+    import torch.distributed as dist
+    from hf_ext.safetensors_io import export_hf
+    hf_dir = os.path.join(os.path.dirname(root), "hf")
+    if dist.get_rank() == 0:
+        export_hf(os.path.join(root, "iter_0000002"), hf_dir)
+    dist.barrier()
+    args.finetune, args.load = False, hf_dir
+    model = mu.build_gpt(10, dtype=torch.bfloat16)
+    opt = mu.build_optimizer(model)
+    assert checkpointing.load_checkpoint([model], opt, sched) == (0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), finetuned))
     mu.destroy()
 
 
