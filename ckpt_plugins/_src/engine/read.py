@@ -86,14 +86,19 @@ def needs_packing(stored_lengths: Sequence[int], regions) -> bool:
 
 def contiguous_destination(read: ReadItem, targets: Sequence[Fragment], dtype: torch.dtype, whole: bool = True):
     """The destination's own bytes when the read's one region lands unchanged in one contiguous
-    CPU view: the read (`whole`: the whole stored box, same layout or row resharding) or a
-    received payload can then go straight there."""
+    CPU view: the read (`whole`: its bytes are exactly the region's, e.g. the whole stored box, or
+    a rank's rows of it) or a received payload can then go straight there."""
     stored = read.stored
-    if len(read.copies) != 1 or (whole and (read.start, read.end) != (0, stored.nbytes)):
+    if len(read.copies) != 1:
         return None
     copy = read.copies[0]
-    if whole and copy.region != (tuple(stored.offsets), tuple(stored.lengths)):
-        return None
+    if whole:
+        if not _contiguous_in(stored.lengths, copy.region):
+            return None
+        first = flat_offset(stored.lengths, [o - so for o, so in zip(copy.region[0], stored.offsets)])
+        start = first * dtype.itemsize
+        if (read.start, read.end) != (start, start + region_bytes(copy.region, dtype.itemsize)):
+            return None
     target = targets[copy.target]
     view = sub_view(target.local, target.offsets, copy.region)
     if view.dtype != dtype or view.device.type != "cpu" or not view.is_contiguous() or not view.numel():
