@@ -319,8 +319,8 @@ def test_dcp_of_an_fsdp2_job_loads_into_one_process_and_training_continues(forei
 
 def _deepspeed_loads(rank, world, root):
     """DeepSpeed `engine.load_checkpoint(dir)` of the FSDP2 job's DCP checkpoint into ZeRO-2 (weights,
-    moments, step and param groups; training continues), and of the sharded HF MoE directory into
-    ZeRO-3 with `load_module_only=True` (DeepSpeed's weights-only load)."""
+    moments, step and param groups; training continues), and of sharded HF MoE directories into
+    ZeRO-3 and AutoEP EP2 with `load_module_only=True` (DeepSpeed's weights-only load)."""
     import deepspeed
     import ds_util
     from transformers import AutoModelForCausalLM
@@ -350,9 +350,34 @@ def _deepspeed_loads(rank, world, root):
         with deepspeed.zero.GatheredParameters([p]):
             assert torch.equal(p.detach(), reference[name]), name
 
+    # AutoEP at EP2 (2 of the 4 experts per rank, regrouped by DeepSpeed): the experts it holds are
+    # the files' per-expert tensors, as its own checkpoint of the loaded model shows
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cross_framework"))
+    import endpoints
+    autoep = endpoints.build("ds_autoep2", 5, "qwen3_moe")
+    autoep.engine.load_checkpoint(os.path.join(root, "hf_ep"), load_module_only=True)
+    cp.save(os.path.join(root, "autoep_saved"), {"model": autoep.state["model"]})
+    if rank == 0:
+        from safetensors.torch import load_file
+        from ckpt_plugins._src.offline import open_checkpoint, read_tensor
+        files = {}
+        for name in os.listdir(os.path.join(root, "hf_ep")):
+            if name.endswith(".safetensors"):
+                files.update(load_file(os.path.join(root, "hf_ep", name)))
+        storage, meta = open_checkpoint(os.path.join(root, "autoep_saved"))
+        assert sorted(meta.tensors) == sorted(f"model/{n}" for n in files)
+        for name, value in files.items():
+            assert torch.equal(read_tensor(storage, meta, f"model/{name}"), value), name
+    endpoints.close(autoep)
+
 
 def test_deepspeed_load_checkpoint_takes_dcp_and_hf_directories(foreign):
+    import sys
     from distributed import run_env_ranks
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cross_framework"))
+    import endpoints
+    endpoints.hf_model("qwen3_moe", 0).save_pretrained(foreign / "hf_ep", max_shard_size="20KB")
     run_env_ranks(2, _deepspeed_loads, str(foreign))
 
 
