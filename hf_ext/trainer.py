@@ -56,7 +56,7 @@ from typing import Any, Dict, Optional
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import Order, SaveHooks, fit_state, read_object, require_version, storage_for
+from ckpt_plugins.ext import FORMAT_NAME, Order, SaveHooks, fit_state, read_object, require_version, storage_for
 
 from .mapping import is_peft_model
 from .safetensors_io import HF_CONFIG, write_model_files
@@ -266,6 +266,18 @@ class _Integration:
                  "data": cp.Ignore()}
         self.ckpt().load(checkpoint, state)
 
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """The Trainer's own. `resume_from_checkpoint` at another framework's checkpoint (a DCP one,
+        an HF directory: no trainer_state.json, so nothing to resume) starts the run from it, as
+        `init_from` does, at step 0."""
+        path = resume_from_checkpoint
+        if isinstance(path, (str, os.PathLike)) and not os.path.isfile(os.path.join(path, "trainer_state.json")) \
+                and cp.checkpoint_format(path) not in (None, FORMAT_NAME):
+            log.info("%s is a %s checkpoint, not the Trainer's: the run starts from it at step 0", path,
+                     cp.checkpoint_format(path))
+            self.init_from, resume_from_checkpoint = str(path), None
+        return self.native["train"](resume_from_checkpoint, *args, **kwargs)
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """The Trainer's own; then a run that does not resume starts from `init_from`."""
         out = self.native["_prepare_for_training"](max_steps, train_dataloader, resume_from_checkpoint)
@@ -340,7 +352,7 @@ def _save_side_files(trainer, output_dir: str) -> None:
 
 _HOOKS = ("_save_checkpoint", "save_model", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
           "_load_rng_state", "_load_scaler", "_load_best_model", "_get_train_sampler", "_init_training_state",
-          "_prepare_for_training")
+          "_prepare_for_training", "train")
 _NO_OPS = ("_save_optimizer_and_scheduler", "_save_rng_state", "_save_scaler")
 
 

@@ -400,9 +400,11 @@ def test_accelerate_load_state_takes_a_dcp_checkpoint(foreign, caplog):
     assert "holds no accelerator, rng, sched" in caplog.text
 
 
-def test_trainer_starts_from_a_dcp_checkpoint(foreign, tmp_path):
-    """`enable(trainer, init_from=dcp_dir)`: a new run starts from the DCP job's weights and AdamW
-    state, loaded into the prepared model (a resume needs the Trainer's own trainer_state.json)."""
+@pytest.mark.parametrize("how", ["init_from", "resume_from_checkpoint"])
+def test_trainer_starts_from_a_dcp_checkpoint(foreign, tmp_path, how):
+    """`enable(trainer, init_from=dcp_dir)`, or `train(resume_from_checkpoint=dcp_dir)`: a new run
+    starts from the DCP job's weights and AdamW state, loaded into the prepared model, at step 0
+    (the checkpoint has no trainer_state.json: nothing of the Trainer's to resume)."""
     from transformers import Trainer, TrainingArguments
 
     import hf_ext.trainer
@@ -412,7 +414,7 @@ def test_trainer_starts_from_a_dcp_checkpoint(foreign, tmp_path):
                              save_strategy="no", logging_steps=1, learning_rate=1e-2, use_cpu=True, report_to=[],
                              seed=0, disable_tqdm=True)
     trainer = Trainer(model=tiny_llama(4, tie=False), args=args, train_dataset=Tokens())
-    hf_ext.trainer.enable(trainer, init_from=foreign / "dcp")
+    hf_ext.trainer.enable(trainer, init_from=foreign / "dcp" if how == "init_from" else None)
     captured = {}
     original = trainer._prepare_for_training
 
@@ -421,7 +423,8 @@ def test_trainer_starts_from_a_dcp_checkpoint(foreign, tmp_path):
         captured.update(full_state(trainer.model, trainer.optimizer))
         return out
     trainer._prepare_for_training = prepare_and_capture
-    trainer.train()
+    trainer.train(**({"resume_from_checkpoint": str(foreign / "dcp")} if how != "init_from" else {}))
+    assert trainer.state.global_step == 1
     assert sorted(captured) == sorted(ref["state"])
     assert all(torch.equal(captured[k], v) for k, v in ref["state"].items())
 
