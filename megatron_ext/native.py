@@ -1,18 +1,20 @@
-"""`bcp import-megatron DIR PATH`: a native Megatron torch_dist checkpoint becomes a ckpt_plugins
-checkpoint under the HF family's names, in one process, with no GPU, process group or megatron import.
+"""Megatron's torch_dist checkpoints, read in place (`cp.load` of the directory, the reader the
+`ckpt_plugins.readers` entry point registers) and by `bcp import-megatron DIR PATH`, which writes
+the same view as a ckpt_plugins checkpoint: in one process, with no GPU, process group or megatron
+import; the tensors under the HF family's names.
 
 torch_dist is PyTorch DCP, read by the core's DCP reader: a pickled `.metadata` (read with an
 allowlist of DCP's own metadata classes) and `__R_I.distcp` files of `torch.save`d chunks, whose
 tensor bytes are read in place; objects with torch's weights-only unpickler (Megatron's args and
-enums become inert stand-ins). Model tensors are stored globally,
-layers (and experts) stacked on leading axes: each layer's (expert's) slice is a TP1 tensor, cut
-into canonical tensors by the same segments as a live model. The distributed optimizer's default
-(`dp_reshardable`) state is one flat buffer per bucket and model-parallel rank of each optimizer (a
-MoE run chains a dense one over (TP, PP) ranks and an expert one over (expert-TP, EP, PP) ranks),
-packing that rank's parameters in reverse order at 64-element aligned starts: the packing is
-rebuilt from the run's arguments and checked against the chunk boundaries DCP recorded (a mismatch
-is an error, never a silent misassignment). A checkpoint without run arguments (written by
-`dist_checkpointing.save` outside megatron.training) takes the model's sizes from an HF config.json.
+enums become inert stand-ins). Model tensors are stored globally, layers (and experts) stacked on
+leading axes: each layer's (expert's) slice is a TP1 tensor, cut into canonical tensors by the same
+segments as a live model. The distributed optimizer's default (`dp_reshardable`) state is one flat
+buffer per bucket and model-parallel rank of each optimizer (a MoE run chains a dense one over (TP,
+PP) ranks and an expert one over (expert-TP, EP, PP) ranks), packing that rank's parameters in
+reverse order at 64-element aligned starts: the packing is rebuilt from the run's arguments and
+checked against the chunk boundaries DCP recorded (a mismatch is an error, never a silent
+misassignment). A checkpoint without run arguments (written by `dist_checkpointing.save` outside
+megatron.training) takes the model's sizes from an HF config.json (--hf-config, or beside it).
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ from ckpt_plugins import CorruptCheckpointError, NotACheckpointError
 from ckpt_plugins.ext import (DCP_METADATA, FOREIGN_CHUNK, HF_CONFIG, MASTER, MODEL, OPTIM, ComputedObject, Dims,
                               ForeignMetadata, ForeignReader, LazyFragment, ModelConfig, StandIn, Storage, chunk_boxes,
                               chunk_location, data_files, dcp_index, dtype_from_name, hf_config, load_torch_inert,
-                              model_config, read_dcp_metadata, read_tensor, saved_groups, segment_pieces, storage_for,
-                              tensor_meta, view_boxes, within, write_checkpoint)
+                              model_config, read_dcp_metadata, read_object, read_tensor, saved_groups, segment_pieces,
+                              storage_for, tensor_meta, view_boxes, within, write_checkpoint)
 from .family import OWN_NAMES, Ranks, canonical_segments, megatron_family, moe_layers
 
 from .gpt import LAYOUT_KEYS
@@ -110,22 +112,6 @@ def _args_dims(args, padded_vocab: int) -> Dims:
                 tied=not args.untie_embeddings_and_output_weights, gated=bool(args.swiglu), family=family,
                 experts=experts, moe_ffn=int(getattr(args, "moe_ffn_hidden_size", None) or 0) if experts else 0,
                 shared_ffn=shared, mla=mla)
-
-
-def _lazy(key_of, segments, shape, load, start: Optional[int], numel: int, dtype) -> List[LazyFragment]:
-    """LazyFragments for the parts of a TP-local tensor (or of its flat range [start, start+numel))
-    that `segments` place in HF tensors. `load()` gives the whole local tensor or the flat range."""
-    probe = torch.empty(numel if start is not None else shape, dtype=dtype, device="meta")
-    out = []
-    for seg, view, at in segment_pieces(segments, shape, probe, start):
-        if seg.name is None:
-            continue
-
-        def piece(view=view, load=load):  # the same view of the real data as of the probe
-            data = load()  # contiguous, like the probe
-            return data.as_strided(view.shape, view.stride(), data.storage_offset() + view.storage_offset())
-        out.append(LazyFragment(key_of(seg.name), seg.shape, dtype, at, tuple(view.shape), piece))
-    return out
 
 
 _EXPERTS = "decoder.layers.mlp.experts.experts."  # stacked [layer, expert, ...] (SequentialMLP / TEGroupedMLP)
@@ -235,9 +221,15 @@ def _optimizer_ranks(args, chained: int, mp: int) -> Tuple[Ranks, int, int, Opti
     return Ranks(0, tp, ep_rank, ep, etp_rank, etp), pp_rank, 0, (ep_rank, etp_rank)
 
 
-def _optimizer_fragments(ck: DcpCheckpoint, args, dims: Dims, padded_vocab: int, masters: bool):
-    """Masters and Adam moments from the dp_reshardable buckets (a MoE run's dense and expert
-    optimizers chained); also each parameter's group."""
+def _computed(compute) -> list:
+    """An object of the view, computed from the checkpoint when a load asks for it."""
+    return [ComputedObject(file="", offset=0, nbytes=0, crc32c=[], encoding="torch", compute=lambda _: compute())]
+
+
+def _optimizer_view(ck: DcpCheckpoint, args, dims: Dims, padded_vocab: int, masters: bool):
+    """The distributed optimizer's dp_reshardable state (a MoE run's dense and expert optimizers
+    chained) as raw boxes of the canonical `optim/<name>/{master,exp_avg,exp_avg_sq}` tensors, read
+    in place from the buckets' chunks, and objects: each parameter's step, the param groups."""
     buckets: Dict[Tuple[int, int], Dict[Tuple[int, str, int], Dict[str, str]]] = {}
     for fqn in ck.tensors():
         m = _BUCKET.fullmatch(fqn)
@@ -247,10 +239,11 @@ def _optimizer_fragments(ck: DcpCheckpoint, args, dims: Dims, padded_vocab: int,
             buckets.setdefault(key, {}).setdefault((int(gbuf), dtype, int(bucket)), {})[what] = fqn
     if not buckets:
         raise ValueError("the checkpoint's optimizer state is not in the distributed optimizer's dp_reshardable "
-                         "format (the only one imported); pass --weights-only to import the weights")
+                         "format (the only one read); pass --weights-only to import the weights")
     if max(c for c, _ in buckets) > 1:
         raise ValueError("more than a dense and an expert optimizer in the checkpoint; pass --weights-only")
-    frags: List[LazyFragment] = []
+    boxes: Dict[str, list] = {}
+    shapes: Dict[str, Tuple[int, ...]] = {}
     one_d: Dict[str, Tuple[int, bool]] = {}  # name -> (its optimizer, 1-D: Megatron gives it no weight decay)
     for (chained, mp), rank_buckets in sorted(buckets.items()):
         ranks, pp_rank, tp_rank, expert = _optimizer_ranks(args, chained, mp)
@@ -264,6 +257,8 @@ def _optimizer_fragments(ck: DcpCheckpoint, args, dims: Dims, padded_vocab: int,
             # DCP records each parameter's range, cut further where the bucket's DP shards meet
             starts = {o[0] for o, _ in ck.chunks(entries["param"])}
             ends = {o[0] + s[0] for o, s in ck.chunks(entries["param"])}
+            chunks = {what: chunk_boxes(ck.storage, ck.md, ck.index, fqn) for what, fqn in entries.items()
+                      if what != "param" or masters}
             pos = 0
             while params:
                 name, shape, dim = params[0]
@@ -282,16 +277,48 @@ def _optimizer_fragments(ck: DcpCheckpoint, args, dims: Dims, padded_vocab: int,
                 for seg in segments:
                     if seg.name is not None:
                         one_d[seg.name] = (chained, len(shape) == 1)
-                for what, fqn in entries.items():
-                    if what == "param" and not masters:
-                        continue
+                for what, stored in chunks.items():
                     state = MASTER if what == "param" else what
-                    frags += _lazy(lambda n, s=state: f"{OPTIM}/{n}/{s}", segments, shape,
-                                   lambda f=fqn, a=start, n=numel: ck.tensor(f)[a:a + n], 0, numel, torch.float32)
+                    for chunk in stored:  # the parameter's elements in this chunk of the bucket
+                        lo = max(start, chunk.offsets[0])
+                        hi = min(start + numel, chunk.offsets[0] + chunk.lengths[0])
+                        if lo >= hi:
+                            continue
+                        probe = torch.empty(hi - lo, dtype=torch.float32, device="meta")
+                        base = chunk.offset + (lo - chunk.offsets[0]) * 4
+                        for seg, view, at in segment_pieces(segments, shape, probe, lo - start):
+                            if seg.name is not None:
+                                k = f"{OPTIM}/{seg.name}/{state}"
+                                shapes[k] = seg.shape
+                                boxes.setdefault(k, []).extend(view_boxes(chunk.file, base, view, at))
         if params:
             raise CorruptCheckpointError(f"optimizer {chained}, model-parallel rank {mp}: {len(params)} parameters do "
                                          "not fit its buckets; pass --weights-only")
-    return frags, one_d
+    tensors = {k: tensor_meta(shapes[k], torch.float32, b) for k, b in sorted(boxes.items())}
+    return tensors, _optimizer_objects(ck, one_d)
+
+
+def _optimizer_objects(ck: DcpCheckpoint, one_d: Dict[str, Tuple[int, bool]]) -> Dict[str, list]:
+    """Each parameter's step and the param groups, from the optimizers' own state (read when a
+    load asks): Megatron's default grouping, no weight decay for 1-D parameters (norms)."""
+    cache: Dict[str, Any] = {}
+
+    def groups() -> Dict[str, Any]:
+        if not cache:
+            saved, steps = [], {}
+            for chained in sorted({c for c, _ in one_d.values()}):
+                prefix = f"chained_{chained}." if any(k.startswith("chained_") for k in ck.md.state_dict_metadata) else ""
+                found = ck.object(f"{prefix}optimizer.distributed.dp_group_idx_0.optimizer")
+                for g in (found[0] if isinstance(found, list) else found)["param_groups"]:
+                    members = [n for n, (c, flat) in one_d.items() if c == chained and flat == (g.get("wd_mult", 1.0) == 0)]
+                    saved.append({**{k: v for k, v in g.items() if k != "step"}, "params": members})
+                    steps.update((n, float(g.get("step", 0))) for n in members)
+            cache.update(groups=saved_groups(saved, LAYOUT_KEYS), steps=steps)
+        return cache
+
+    objects = {f"{OPTIM}/param_groups": _computed(lambda: groups()["groups"])}
+    objects.update({f"{OPTIM}/{n}/step": _computed(lambda n=n: torch.tensor(groups()["steps"][n])) for n in one_d})
+    return objects
 
 
 def resolve(directory: str) -> str:
@@ -354,17 +381,27 @@ def read_megatron(storage) -> ForeignMetadata:
     family's names, read in place from its chunks, at any layout (its optimizer state comes in
     through `bcp import-megatron`). Sizes from the run's arguments, or a config.json beside it."""
     ck = DcpCheckpoint(storage)
-    common, args, dims, config, _ = _run(ck, storage.read_bytes(CONFIG) if storage.exists(CONFIG) else None)
-    objects, descriptive = {}, ()
+    common, args, dims, config, padded_vocab = _run(ck, storage.read_bytes(CONFIG) if storage.exists(CONFIG) else None)
+    tensors, objects, descriptive = _model_tensors(ck, dims), {}, ()
     if dims.family != OWN_NAMES.name:
         text = json.dumps(hf_config(config), indent=2)
         objects[HF_CONFIG] = [ComputedObject(file="", offset=0, nbytes=0, crc32c=[], encoding="json",
                                              compute=lambda _: text)]
         descriptive = (HF_CONFIG,)
-    return ForeignMetadata(tensors=_model_tensors(ck, dims), objects=objects, files=data_files(storage, ck.index),
+    if _distributed_optimizer(ck, args):
+        optim, optim_objects = _optimizer_view(ck, args, dims, padded_vocab, masters=bool(args.bf16 or args.fp16))
+        tensors.update(optim)
+        objects.update(optim_objects)
+    return ForeignMetadata(tensors=tensors, objects=objects, files=data_files(storage, ck.index),
                            framework="megatron", layout={"format": "torch_dist", **_layout(args)},
                            step=int(common.get("iteration", 0)) if common else None, chunk_bytes=FOREIGN_CHUNK,
                            source=NAME, descriptive=descriptive)
+
+
+def _distributed_optimizer(ck: DcpCheckpoint, args) -> bool:
+    """Whether the checkpoint holds a distributed optimizer's state its run's arguments describe."""
+    return (isinstance(args, StandIn) and bool(getattr(args, "use_distributed_optimizer", False))
+            and any(_BUCKET.fullmatch(k) for k in ck.tensors()))
 
 
 def _layout(args) -> Dict[str, Any]:
@@ -395,7 +432,17 @@ def import_megatron(directory: str, path, *, weights_only: bool = False, overwri
         with open(hf_config_path, "rb") as f:
             config_json = f.read()
     common, args, dims, config, padded_vocab = _run(ck, config_json)
-    view = ForeignMetadata(tensors=_model_tensors(ck, dims), objects={}, files=data_files(ck.storage, ck.index),
+    has_optimizer = any(_BUCKET.fullmatch(k) for k in ck.tensors())
+    if not weights_only and has_optimizer and not isinstance(args, StandIn):
+        raise ValueError(f"{ck.dir}: its optimizer state's layout needs the run's arguments, which it does not "
+                         "record; pass --weights-only to import the weights")
+    if not weights_only and isinstance(args, StandIn) and not getattr(args, "use_distributed_optimizer", False):
+        raise ValueError("only the distributed optimizer's state is imported; pass --weights-only")
+    tensors, view_objects = _model_tensors(ck, dims), {}
+    if not weights_only and _distributed_optimizer(ck, args):
+        optim, view_objects = _optimizer_view(ck, args, dims, padded_vocab, masters=bool(args.bf16 or args.fp16))
+        tensors.update(optim)
+    view = ForeignMetadata(tensors=tensors, objects=view_objects, files=data_files(ck.storage, ck.index),
                            chunk_bytes=FOREIGN_CHUNK)
     fragments = [LazyFragment(key, meta.shape, dtype_from_name(meta.dtype), (0,) * len(meta.shape), meta.shape,
                               lambda k=key: read_tensor(ck.storage, view, k)) for key, meta in view.tensors.items()]
@@ -404,30 +451,16 @@ def import_megatron(directory: str, path, *, weights_only: bool = False, overwri
                                    float(common.get("num_floating_point_operations_so_far", 0))}
     if dims.family != OWN_NAMES.name:
         objects[HF_CONFIG] = json.dumps(hf_config(config), indent=2)
-    has_optimizer = any(_BUCKET.fullmatch(k) for k in ck.tensors())
-    if not weights_only and has_optimizer and not isinstance(args, StandIn):
-        raise ValueError(f"{ck.dir}: its optimizer state's layout needs the run's arguments, which it does not "
-                         "record; pass --weights-only to import the weights")
-    if not weights_only and isinstance(args, StandIn) and getattr(args, "use_distributed_optimizer", False):
-        frags, one_d = _optimizer_fragments(ck, args, dims, padded_vocab, masters=bool(args.bf16 or args.fp16))
-        fragments += frags
-        saved = []
-        for chained in sorted({c for c, _ in one_d.values()}):
-            prefix = f"chained_{chained}." if any(k.startswith("chained_") for k in ck.md.state_dict_metadata) else ""
-            groups = ck.object(f"{prefix}optimizer.distributed.dp_group_idx_0.optimizer")
-            groups = (groups[0] if isinstance(groups, list) else groups)["param_groups"]
-            for g in groups:  # Megatron's default grouping: no weight decay for 1-D parameters (norms)
-                members = [n for n, (c, flat) in one_d.items() if c == chained and flat == (g.get("wd_mult", 1.0) == 0)]
-                saved.append({**{k: v for k, v in g.items() if k != "step"}, "params": members})
-                step = torch.tensor(float(g.get("step", 0)))
-                fragments += [LazyFragment(f"{OPTIM}/{n}/step", (), torch.float32, (), (), lambda s=step: s)
-                              for n in members]
-        objects[f"{OPTIM}/param_groups"] = saved_groups(saved, LAYOUT_KEYS)
+    for key in view_objects:  # steps are scalar tensors, as the live optimizers keep them
+        value = read_object(ck.storage, view, key, None)
+        if isinstance(value, torch.Tensor):
+            fragments.append(LazyFragment(key, (), torch.float32, (), (), lambda v=value: v))
+        else:
+            objects[key] = value
+    if view_objects:
         sched = common.get("opt_param_scheduler")
         if isinstance(sched, dict):
             objects.update({f"sched/{k}": v for k, v in sched.items()})
-    elif not weights_only and isinstance(args, StandIn):
-        raise ValueError("only the distributed optimizer's state is imported; pass --weights-only")
     layout = {"imported_from": "megatron torch_dist", **_layout(args)}
     return write_checkpoint(path, fragments, objects, framework="megatron", layout=layout,
                             step=objects["megatron/iteration"], overwrite=overwrite, progress=progress)

@@ -132,6 +132,22 @@ def test_ckpt_backend_flag_saves_and_resumes_through_megatron_training_and_impor
     assert_same_canonical_state(os.path.join(ours, "iter_0000002"), imported, 60)
     assert_read_in_place_as_imported(native, imported)
 
+    # and straight into transformers' Llama with AdamW (one process): weights, moments and steps
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from megatron_ext.native import resolve
+    from ckpt_plugins._src.offline import open_checkpoint, read_tensor
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    params = list(hf.to(torch.bfloat16).parameters())  # grouped as Megatron groups them: no decay for 1-D
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
+                             {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0}])
+    cp.load(resolve(native), {"model": hf, "optim": opt})
+    storage, meta = open_checkpoint(imported)
+    for name, p in hf.named_parameters():
+        assert torch.equal(p, read_tensor(storage, meta, f"model/{name}")), name
+        assert torch.equal(opt.state[p]["exp_avg"], read_tensor(storage, meta, f"optim/{name}/exp_avg")), name
+        assert opt.state[p]["step"] == read_tensor(storage, meta, f"optim/{name}/step"), name
+
 
 def memory_worker(rank, world, root, hosts_dir, losses_path):
     """4 ranks (DP4) on hosts a and b: a durable save at iteration 2, a non-persistent one (the
@@ -190,20 +206,30 @@ def test_non_persistent_saves_go_to_the_memory_tier_and_a_restart_on_fewer_ranks
 
 def assert_read_in_place_as_imported(native, imported) -> None:
     """`cp.load` of the native torch_dist directory itself (no import) fills a model's canonical
-    weights with exactly what `bcp import-megatron` wrote, reading every stored chunk byte once."""
+    weights and the distributed optimizer's masters and moments with exactly what `bcp
+    import-megatron` wrote (checked against the live job's own save), reading what it fills once;
+    param groups and steps come too."""
     from ckpt_plugins._src.format import dtype_from_name
     from ckpt_plugins._src.offline import open_checkpoint, read_tensor
     from megatron_ext.native import resolve
     path = resolve(native)
     assert cp.checkpoint_format(path) == "Megatron torch_dist"
+    from ckpt_plugins._src.committed import read_object
     storage, meta = open_checkpoint(imported)
-    keys = [k for k in meta.tensors if k.startswith("model/")]
-    live = {k[len("model/"):]: torch.full(meta.tensors[k].shape, float("nan"), dtype=dtype_from_name(meta.tensors[k].dtype))
-            for k in keys}
-    result = cp.load(path, {"model": live})
+    keys = [k for k in meta.tensors if k.split("/")[0] in ("model", "optim") and meta.tensors[k].shape]
+    live = {"model": {}, "optim": {}}
+    for k in keys:
+        entry, name = k.split("/", 1)
+        live[entry][name] = torch.full(meta.tensors[k].shape, float("nan"), dtype=dtype_from_name(meta.tensors[k].dtype))
+    result = cp.load(path, live, strict=False)
+    assert result.missing_keys == []
     for key in keys:
-        assert torch.equal(live[key[len("model/"):]], read_tensor(storage, meta, key)), key
-    assert result.read_bytes == result.unverified_bytes == sum(t.nbytes for t in live.values())
+        entry, name = key.split("/", 1)
+        assert torch.equal(live[entry][name], read_tensor(storage, meta, key)), key
+    assert result.read_bytes == result.unverified_bytes == sum(t.nbytes for d in live.values() for t in d.values())
+    assert len(live["optim"]) > len(live["model"])  # masters, exp_avg, exp_avg_sq of every parameter
+    view = cp.read_metadata(path)
+    assert read_object(storage, meta, "optim/param_groups", None) == read_object(storage_for(path), view, "optim/param_groups", None)
 
 
 def assert_same_canonical_state(ours, imported, at_least):
