@@ -32,7 +32,8 @@ from ._src.foreign import (DCP, HF, ComputedObject, ForeignMetadata, ForeignRead
                            load_pickle_restricted, load_torch_inert, register_reader)
 from ._src.foreign.dcp import (DCP_METADATA, DcpNaming, chunk_boxes, chunk_location, data_files, dcp_index,
                                read_dcp_metadata, register_dcp_naming)
-from ._src.foreign.view import FOREIGN_CHUNK, tensor_meta, view_boxes
+from ._src.foreign.archive import TensorLocation, read_archive, read_located
+from ._src.foreign.view import FOREIGN_CHUNK, Transform, raw_box, tensor_meta, view_boxes
 from ._src.foreign.dcp_export import export_dcp
 from ._src.foreign.safetensors import SAFE_INDEX, SAFE_NAME, ST_DTYPES as SAFETENSORS_DTYPES, safetensors_metadata
 from ._src.format import DATA_DIR, FORMAT_NAME, Metadata, dtype_from_name, dtype_name, stored_entries
@@ -69,7 +70,8 @@ __all__ = [
     "MemoryTier", "Coordinator", "SaveHooks", "take_finished", "progress_bar", "bcp",
     # foreign checkpoints
     "ForeignMetadata", "ForeignReader", "register_reader", "fit_state", "HF", "DCP", "ComputedObject",
-    "FOREIGN_CHUNK", "tensor_meta", "view_boxes", "chunk_boxes", "data_files", "dcp_index", "DcpNaming",
+    "FOREIGN_CHUNK", "tensor_meta", "view_boxes", "raw_box", "Transform", "TensorLocation", "read_archive",
+    "read_located", "chunk_boxes", "data_files", "dcp_index", "DcpNaming",
     "register_dcp_naming", "DCP_METADATA", "chunk_location", "read_dcp_metadata", "export_dcp",
     "SAFE_INDEX", "SAFE_NAME", "SAFETENSORS_DTYPES", "safetensors_metadata",
     # optional dependencies

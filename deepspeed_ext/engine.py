@@ -21,6 +21,7 @@ from ckpt_plugins.ext import (DATA_DIR, FORMAT_NAME, Handler, LoadItems, LocalSt
                               fit_state, read_pointer, storage_for, take_finished)
 
 from . import zero_to_fp32
+from .native import NAME as NATIVE
 from .zero import DeepSpeedModel, DeepSpeedOptimizer, ZeroState
 
 log = logging.getLogger("deepspeed_ext")
@@ -141,7 +142,7 @@ class Hooks:
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         engine = self.engine
-        foreign = tag is None and cp.checkpoint_format(load_dir) not in (None, FORMAT_NAME)
+        foreign = tag is None and cp.checkpoint_format(load_dir) not in (None, FORMAT_NAME, NATIVE)
         if foreign:  # another format's checkpoint (HF, DCP): the directory itself, no tags
             path = load_dir
         else:
@@ -151,8 +152,8 @@ class Hooks:
                     log.warning("no %s file in %s: pass an explicit tag to load a checkpoint", LATEST, load_dir)
                     return None, None
             path = os.path.join(load_dir, str(tag))
-            foreign = cp.checkpoint_format(path) not in (None, FORMAT_NAME)
-        if cp.checkpoint_format(path) is None and not storage_for(path).exists(DATA_DIR):  # DeepSpeed's own
+            foreign = cp.checkpoint_format(path) not in (None, FORMAT_NAME, NATIVE)
+        if cp.checkpoint_format(path) in (None, NATIVE) and not storage_for(path).exists(DATA_DIR):  # DeepSpeed's own
             return self.native_load(load_dir, tag, load_module_strict, load_optimizer_states,
                                     load_lr_scheduler_states, load_module_only, custom_load_fn)
         full = not load_module_only

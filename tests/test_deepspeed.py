@@ -256,6 +256,24 @@ def test_import_native_deepspeed_checkpoints(tmp_path):
     for name, p in model.named_parameters():
         expected = ref.get(f"m/{name}", ref[f"w/{name}"].float())
         assert torch.equal(p.detach(), expected), name
+    # and the native directories themselves, read in place (their `latest` tag followed): weights and
+    # Adam moments, each stored byte read once, no checksum to cover them
+    for stage in (1, 2, 3):
+        assert cp.checkpoint_format(tmp_path / f"native{stage}") == "DeepSpeed"
+        ref = torch.load(tmp_path / f"native{stage}.pt")
+        model = tiny_llama(7, dtype=torch.bfloat16 if stage != 2 else torch.float32)
+        model.model.layers[0].input_layernorm.weight.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        result = cp.load(tmp_path / f"native{stage}", {"model": model, "optim": opt, "sched": cp.Ignore(),
+                                                        "engine": cp.Ignore(), "client_state": cp.Ignore()},
+                         strict=False)  # a bf16 run's fp32 masters have no place in a plain AdamW
+        assert result.missing_keys == [] and all(k.endswith("/master") for k in result.unexpected_keys)
+        assert result.unverified_bytes == result.read_bytes > 0
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), ref[f"w/{name}"]), (stage, name)
+            if p.requires_grad:
+                assert torch.equal(opt.state[p]["exp_avg"], ref[f"o/{name}/exp_avg"]), (stage, name)
+        assert opt.param_groups[0]["lr"] == ref["lr"]
 
 
 SPECIALS = torch.tensor([1, 0x7FC00001, -(1 << 31), 0x7F800001, 0x00000007], dtype=torch.int32)  # denormal, NaN

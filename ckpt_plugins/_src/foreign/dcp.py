@@ -16,13 +16,9 @@ every model tensor has one and the checkpoint holds other entries beside it (a s
 from __future__ import annotations
 
 import collections
-import io
 import json
 import math
-import pickle
 import re
-import struct
-import zipfile
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -34,6 +30,7 @@ from ..format import ObjectMeta, StoredBox, check_relative_path
 from ..objects import decode_object
 from ..state import MODEL, OPTIM
 from ..storage import Storage
+from .archive import TensorLocation, read_archive
 from .pickles import load_pickle_restricted
 from .view import FOREIGN_CHUNK, ComputedObject, ForeignMetadata, RowPermute, raw_box, tensor_meta
 
@@ -77,89 +74,14 @@ def read_dcp_metadata(storage: Storage):
     return md
 
 
-class _Window(io.RawIOBase):
-    """Bytes [offset, offset + length) of a stored file, as a seekable file (for zipfile)."""
-
-    def __init__(self, storage: Storage, name: str, offset: int, length: int):
-        self.storage, self.name, self.offset, self.length, self.pos = storage, name, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = max(0, [pos, self.pos + pos, self.length + pos][whence])
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self.length - self.pos))
-        if n:
-            self.storage.read_into(self.name, self.offset + self.pos, memoryview(buffer)[:n])
-            self.pos += n
-        return n
-
-
-class _TensorRecord(pickle.Unpickler):
-    """A `torch.save`d tensor's data.pkl, read for where its bytes are: nothing is rebuilt."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size), tuple(stride))
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and name.endswith("Storage"):
-            return name
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor")
-
-    def persistent_load(self, pid):
-        return pid
-
-
-def _contiguous(size: Tuple[int, ...], stride: Tuple[int, ...]) -> bool:
-    expect = 1
-    for s, st in zip(reversed(size), reversed(stride)):
-        if s != 1 and st != expect:
-            return False
-        expect *= s
-    return True
-
-
 def chunk_location(storage: Storage, info, fqn: str, dtype: torch.dtype, sizes: Tuple[int, ...]) -> int:
     """The offset in `info.relative_path` of a tensor chunk's raw row-major bytes (see the module
     docstring); a clear error when the item is not a plain tensor of `sizes`."""
-    what = f"{storage}/{info.relative_path}: {fqn}"
-    try:
-        with zipfile.ZipFile(_Window(storage, info.relative_path, info.offset, info.length)) as archive:
-            infos = {i.filename: i for i in archive.infolist()}
-            pkl = next((n for n in infos if n.endswith("/data.pkl")), None)
-            if pkl is None:
-                raise CorruptCheckpointError(f"{what}: the item is not a torch.save archive (no data.pkl)")
-            storage_ref, offset, size, stride = _TensorRecord(io.BytesIO(archive.read(pkl))).load()
-            record = infos.get(f"{pkl[:-len('data.pkl')]}data/{storage_ref[2]}")
-    except CorruptCheckpointError:
-        raise
-    except Exception as exc:  # whatever a damaged archive makes zipfile or the unpickler raise
-        raise CorruptCheckpointError(f"{what}: the item is not a plain torch.save'd tensor ({exc})") from None
-    if record is None or record.compress_type != zipfile.ZIP_STORED:
-        raise CorruptCheckpointError(f"{what}: the tensor's bytes are missing or compressed in its archive")
-    nbytes = torch.Size(sizes).numel() * dtype.itemsize
-    if size != tuple(sizes) or not _contiguous(size, stride) or offset * dtype.itemsize + nbytes > record.file_size:
-        raise CorruptCheckpointError(f"{what}: stored as shape {list(size)} stride {list(stride)} at {offset}; "
-                                     f"expected a contiguous {list(sizes)} chunk")
-    head = bytearray(30)
-    storage.read_into(info.relative_path, info.offset + record.header_offset, head)
-    if head[:4] != b"PK\x03\x04":
-        raise CorruptCheckpointError(f"{what}: damaged archive (no local header for its data)")
-    name_len, extra_len = struct.unpack("<HH", head[26:30])
-    start = record.header_offset + 30 + name_len + extra_len + offset * dtype.itemsize
-    if start + nbytes > info.length:
-        raise CorruptCheckpointError(f"{what}: the tensor's bytes run past its item")
-    return info.offset + start
+    loc = read_archive(storage, info.relative_path, info.offset, info.length)
+    if not isinstance(loc, TensorLocation) or loc.shape != tuple(sizes) or loc.dtype != dtype or not loc.contiguous:
+        raise CorruptCheckpointError(f"{storage}/{info.relative_path}: {fqn} is stored as {loc!r}; expected a "
+                                     f"contiguous {list(sizes)} {dtype} chunk")
+    return loc.offset
 
 
 def _model_prefix(model_keys: List[str], others: bool) -> str:
