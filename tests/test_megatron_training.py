@@ -132,12 +132,11 @@ def test_ckpt_backend_flag_saves_and_resumes_through_megatron_training_and_impor
     assert_same_canonical_state(os.path.join(ours, "iter_0000002"), imported, 60)
     assert_read_in_place_as_imported(native, imported)
 
-    # and straight into transformers' Llama with AdamW (one process): weights, moments and steps
-    from transformers import LlamaConfig, LlamaForCausalLM
+    # and straight into transformers' Llama: under FSDP2 on 2 ranks, and with AdamW on one process
+    run_ranks(2, fsdp2_from_torch_dist, native, imported)
     from megatron_ext.native import resolve
     from ckpt_plugins._src.offline import open_checkpoint, read_tensor
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    hf = hf_llama()
     params = list(hf.to(torch.bfloat16).parameters())  # grouped as Megatron groups them: no decay for 1-D
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
                              {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0}])
@@ -202,6 +201,28 @@ def test_non_persistent_saves_go_to_the_memory_tier_and_a_restart_on_fewer_ranks
         run_ranks(2, memory_restart_worker, root, hosts_dir, losses)
     finally:
         shutil.rmtree(hosts_dir, ignore_errors=True)
+
+
+def hf_llama():
+    """transformers' Llama of the sizes megatron_args gives Megatron."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+
+
+def fsdp2_from_torch_dist(rank, world, native, imported):
+    """A native torch_dist checkpoint loaded in place into an FSDP2 (bf16) Llama: its weights."""
+    from torch.distributed.fsdp import fully_shard
+    from ckpt_plugins._src.offline import open_checkpoint, read_tensor
+    from megatron_ext.native import resolve
+    model = hf_llama().to(torch.bfloat16)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    cp.load(resolve(native), {"model": model, "optim": cp.Ignore()})
+    storage, meta = open_checkpoint(imported)
+    for name, p in model.state_dict().items():
+        assert torch.equal(p.full_tensor(), read_tensor(storage, meta, f"model/{name}")), name
 
 
 def assert_read_in_place_as_imported(native, imported) -> None:
