@@ -36,7 +36,8 @@ from ckpt_plugins.ext import (DCP_METADATA, FOREIGN_CHUNK, HF_CONFIG, MASTER, MO
 from .family import OWN_NAMES, Ranks, canonical_segments, megatron_family, moe_layers
 
 from .gpt import LAYOUT_KEYS
-from .training import BACKEND_FILE, NATIVE_FORMAT as NAME, checkpoint_dir, tracked_iteration
+from .training import (BACKEND_FILE, NATIVE_FORMAT as NAME, TORCH_DCP_FORMAT as TORCH_DCP, checkpoint_dir,
+                       tracked_iteration)
 
 CONFIG = "config.json"  # an HF config beside a checkpoint without run arguments: its sizes
 ALIGN = 64  # the distributed optimizer's parameter alignment in its buffers (elements)
@@ -54,6 +55,10 @@ class DcpCheckpoint:
                                       f"(or one whose save did not finish)")
         self.md = read_dcp_metadata(self.storage)
         self.index = dcp_index(self.md)
+        # torch_dcp (Megatron with torch FSDP2): generate_state_dict's {"args", "iteration", "model": ...}
+        # saved by DCP itself, per-layer names under "model."; else torch_dist's sharded layout
+        self.torch_dcp = "args" in self.md.state_dict_metadata and any(
+            k.startswith(("model.embedding.", "model.decoder.")) for k in self.md.state_dict_metadata)
         self._cached: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
 
     def _info(self, fqn: str, offset):
@@ -86,6 +91,13 @@ class DcpCheckpoint:
         self._cached = (fqn, full)
         return full
 
+    def item(self, fqn: str) -> Any:
+        """A plain DCP bytes item's value (torch_dcp's args, iteration)."""
+        info = self._info(fqn, None)
+        data = bytearray(info.length)
+        self.storage.read_into(info.relative_path, info.offset, data)
+        return load_torch_inert(bytes(data), f"{self.dir}: {fqn}")
+
     def object(self, fqn: str) -> Any:
         """A sharded object (`<fqn>/shard_...`): the first shard's value."""
         keys = sorted(k for k in self.md.state_dict_metadata if k.startswith(fqn + "/shard_"))
@@ -117,9 +129,12 @@ def _args_dims(args, padded_vocab: int) -> Dims:
 _EXPERTS = "decoder.layers.mlp.experts.experts."  # stacked [layer, expert, ...] (SequentialMLP / TEGroupedMLP)
 
 
-def _places(fqn: str, shape: Tuple[int, ...]) -> List[Tuple[Tuple[int, ...], str]]:
-    """Model tensors are stored TP-merged, layers (and experts) stacked on leading axes: each
-    layer's (expert's) slice, at this index, is the TP1 / EP1 tensor of this Megatron name."""
+def _places(ck: DcpCheckpoint, fqn: str, shape: Tuple[int, ...]) -> List[Tuple[Tuple[int, ...], str]]:
+    """torch_dist stores model tensors TP-merged, layers (and experts) stacked on leading axes: each
+    layer's (expert's) slice, at this index, is the TP1 / EP1 tensor of this Megatron name.
+    torch_dcp stores each parameter whole under "model.<its name>"."""
+    if ck.torch_dcp:
+        return [((), fqn[len("model."):])] if fqn.startswith("model.") else []
     if fqn.startswith(_EXPERTS):
         rest = fqn[len(_EXPERTS):]
         return [((layer, e), f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{rest}")
@@ -139,7 +154,7 @@ def _model_tensors(ck: DcpCheckpoint, dims: Dims) -> Dict[str, Any]:
             continue
         shape, dtype = tuple(meta.size), meta.properties.dtype
         chunks = chunk_boxes(ck.storage, ck.md, ck.index, fqn)
-        for index, name in _places(fqn, shape):
+        for index, name in _places(ck, fqn, shape):
             lead, local = len(index), shape[len(index):]
             segments = canonical_segments(name, local, dims)
             for chunk in chunks:
@@ -345,6 +360,9 @@ def _args_config(args, dims: Dims) -> ModelConfig:
 def _common_state(ck: DcpCheckpoint) -> dict:
     """megatron.training's common state; {} for a checkpoint written by
     `megatron.core.dist_checkpointing.save` outside it (Megatron-Bridge, NeMo, users' scripts)."""
+    if ck.torch_dcp:
+        return {k: ck.item(k) for k in ("args", "iteration", "num_floating_point_operations_so_far")
+                if k in ck.md.state_dict_metadata}
     if not any(k.startswith("common_state/") for k in ck.md.state_dict_metadata):
         return {}
     common = ck.object("common_state")
@@ -356,7 +374,9 @@ def _run(ck: DcpCheckpoint, config_json: Optional[bytes]):
     checkpoint: the sizes from the run's arguments, or from an HF config.json for one without them."""
     common = _common_state(ck)
     args = common.get("args")
-    embedding = ck.tensors().get("embedding.word_embeddings.weight") or ck.tensors().get("output_layer.weight")
+    prefix = "model." if ck.torch_dcp else ""
+    embedding = ck.tensors().get(prefix + "embedding.word_embeddings.weight") or ck.tensors().get(
+        prefix + "output_layer.weight")
     if embedding is None:
         raise NotACheckpointError(f"{ck.dir} holds no GPT embedding or output layer (model keys "
                                   f"{sorted(ck.tensors())[:3]}...): not a megatron-core GPT checkpoint")
@@ -393,9 +413,10 @@ def read_megatron(storage) -> ForeignMetadata:
         tensors.update(optim)
         objects.update(optim_objects)
     return ForeignMetadata(tensors=tensors, objects=objects, files=data_files(storage, ck.index),
-                           framework="megatron", layout={"format": "torch_dist", **_layout(args)},
+                           framework="megatron",
+                           layout={"format": "torch_dcp" if ck.torch_dcp else "torch_dist", **_layout(args)},
                            step=int(common.get("iteration", 0)) if common else None, chunk_bytes=FOREIGN_CHUNK,
-                           source=NAME, descriptive=descriptive)
+                           source=TORCH_DCP if ck.torch_dcp else NAME, descriptive=descriptive)
 
 
 def _distributed_optimizer(ck: DcpCheckpoint, args) -> bool:
@@ -418,7 +439,13 @@ def is_torch_dist(storage) -> bool:
             and b'"torch_dist"' in storage.read_bytes(BACKEND_FILE)[:256])
 
 
+def is_torch_dcp(storage) -> bool:
+    """Megatron's torch_dcp checkpoint: a DCP directory holding generate_state_dict's layout."""
+    return storage.exists(DCP_METADATA) and not storage.exists(BACKEND_FILE) and DcpCheckpoint(storage).torch_dcp
+
+
 READER = ForeignReader(NAME, is_torch_dist, read_megatron)
+TORCH_DCP_READER = ForeignReader(TORCH_DCP, is_torch_dcp, read_megatron)
 
 
 def import_megatron(directory: str, path, *, weights_only: bool = False, overwrite: bool = False, progress=None,

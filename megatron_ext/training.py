@@ -40,6 +40,7 @@ BACKEND = "bytecheckpoint"
 TRACKER = "latest_checkpointed_iteration.txt"
 BACKEND_FILE = "metadata.json"  # Megatron's, in each native checkpoint: {"sharded_backend": "torch_dist", ...}
 NATIVE_FORMAT = "Megatron torch_dist"  # as checkpoint_format names it (native.READER)
+TORCH_DCP_FORMAT = "Megatron torch_dcp"  # Megatron's own too (native.TORCH_DCP_READER)
 SUPPORTED = ("0.19", "0.20")  # megatron-core versions whose layouts and checkpointing hooks this extension maps
 RESUMED_ARGS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
 
@@ -254,7 +255,7 @@ def load(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: 
     if path is None:
         return None
     fmt = cp.checkpoint_format(path)
-    if fmt in (None, NATIVE_FORMAT):
+    if fmt in (None, NATIVE_FORMAT, TORCH_DCP_FORMAT):
         if any(f.endswith(".distcp") or f.endswith(".pt") for f in storage_for(path).listdir()):
             return None  # a native Megatron checkpoint
         raise cp.IncompleteCheckpointError(f"{path} has no committed ckpt_plugins checkpoint (a save that did not "

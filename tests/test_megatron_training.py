@@ -148,6 +148,40 @@ def test_ckpt_backend_flag_saves_and_resumes_through_megatron_training_and_impor
         assert opt.state[p]["step"] == read_tensor(storage, meta, f"optim/{name}/step"), name
 
 
+def torch_dcp_worker(rank, world, root):
+    """Megatron's torch_dcp layout: its own generate_state_dict, saved by DCP as its save_checkpoint
+    does (validate_args allows the format only with torch FSDP2, whose device mesh Megatron makes
+    on CUDA; the layout is the same: whole parameters under "model.<name>"); and our own save of
+    the same model."""
+    megatron_args(1, 1, os.path.join(root, "unused"))
+    import megatron_util as mu
+    import torch.distributed.checkpoint as dcp
+    from megatron.training import checkpointing, get_args
+    from megatron_ext import MegatronModel
+    mu.init_parallel(1, 1)
+    model = mu.build_gpt(4, dtype=torch.bfloat16)
+    args = get_args()
+    args.ckpt_format = "torch_dcp"
+    dcp.save(checkpointing.generate_state_dict(args, [model], None, None, None, iteration=5),
+             checkpoint_id=os.path.join(root, "torch_dcp"))
+    cp.save(os.path.join(root, "ours"), {"model": MegatronModel(model)})
+    mu.destroy()
+
+
+def test_megatron_torch_dcp_checkpoint_loads_in_place_into_an_hf_model(tmp_path):
+    """A torch_dcp directory is recognised as Megatron's (its args give the sizes) and fills
+    transformers' Llama with the weights our own save of the same Megatron model holds."""
+    from ckpt_plugins._src.offline import open_checkpoint, read_tensor
+    run_ranks(1, torch_dcp_worker, str(tmp_path))
+    path = tmp_path / "torch_dcp"
+    assert cp.checkpoint_format(path) == "Megatron torch_dcp"
+    hf = hf_llama().to(torch.bfloat16)
+    cp.load(path, {"model": hf})
+    storage, meta = open_checkpoint(tmp_path / "ours")
+    for name, p in hf.named_parameters():
+        assert torch.equal(p, read_tensor(storage, meta, f"model/{name}")), name
+
+
 def memory_worker(rank, world, root, hosts_dir, losses_path):
     """4 ranks (DP4) on hosts a and b: a durable save at iteration 2, a non-persistent one (the
     memory tier) at 3, then the uninterrupted run's next two losses."""
