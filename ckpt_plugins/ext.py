@@ -28,12 +28,12 @@ from ._src.families.dims import Dims
 from ._src.families.family import FAMILIES, Family
 from ._src.families.hf_config import HF_CONFIG, ModelConfig, hf_config, model_config
 from ._src.families.segments import Segment, segment_fragments, segment_pieces, whole, within, zero_padding
-from ._src.foreign import (DCP, HF, ComputedObject, ForeignMetadata, ForeignReader, StandIn, fit_state,
-                           load_pickle_restricted, load_torch_inert, register_reader)
+from ._src.foreign import (DCP, HF, ForeignMetadata, ForeignReader, StandIn, fit_state, load_pickle_restricted,
+                           load_torch_inert, register_reader)
 from ._src.foreign.dcp import (DCP_METADATA, DcpNaming, chunk_boxes, chunk_location, data_files, dcp_index,
                                read_dcp_metadata, register_dcp_naming)
 from ._src.foreign.archive import TensorLocation, read_archive, read_located
-from ._src.foreign.view import FOREIGN_CHUNK, Transform, raw_box, tensor_meta, view_boxes
+from ._src.foreign.view import FOREIGN_CHUNK, Transform, computed, raw_box, tensor_meta, view_boxes
 from ._src.foreign.dcp_export import export_dcp
 from ._src.foreign.safetensors import SAFE_INDEX, SAFE_NAME, ST_DTYPES as SAFETENSORS_DTYPES, safetensors_metadata
 from ._src.format import DATA_DIR, FORMAT_NAME, Metadata, dtype_from_name, dtype_name, stored_entries
@@ -69,8 +69,8 @@ __all__ = [
     "load_pickle_restricted", "load_torch_inert", "Order", "epoch_order", "load_position", "position_items",
     "MemoryTier", "Coordinator", "SaveHooks", "take_finished", "progress_bar", "bcp",
     # foreign checkpoints
-    "ForeignMetadata", "ForeignReader", "register_reader", "fit_state", "HF", "DCP", "ComputedObject",
-    "FOREIGN_CHUNK", "tensor_meta", "view_boxes", "raw_box", "Transform", "TensorLocation", "read_archive",
+    "ForeignMetadata", "ForeignReader", "register_reader", "fit_state", "HF", "DCP",
+    "FOREIGN_CHUNK", "tensor_meta", "view_boxes", "raw_box", "computed", "Transform", "TensorLocation", "read_archive",
     "read_located", "chunk_boxes", "data_files", "dcp_index", "DcpNaming",
     "register_dcp_naming", "DCP_METADATA", "chunk_location", "read_dcp_metadata", "export_dcp",
     "SAFE_INDEX", "SAFE_NAME", "SAFETENSORS_DTYPES", "safetensors_metadata",

@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ckpt_plugins import CorruptCheckpointError, NotACheckpointError
-from ckpt_plugins.ext import (FOREIGN_CHUNK, MASTER, MODEL, OPTIM, ComputedObject, DictHandler, ForeignMetadata,
-                              ForeignReader, Fragment, LazyFragment, StandIn, Storage, TensorLocation, Transform, canonical_name,
+from ckpt_plugins.ext import (FOREIGN_CHUNK, MASTER, MODEL, OPTIM, DictHandler, ForeignMetadata, ForeignReader, Fragment,
+                              LazyFragment, StandIn, Storage, TensorLocation, Transform, canonical_name, computed,
                               dtype_from_name, flat_views, raw_box, read_archive, read_located, read_object,
                               read_tensor, storage_for, tensor_meta, write_checkpoint)
 
@@ -159,9 +159,6 @@ class NativeCheckpoint:
         return obj
 
 
-def _computed(compute) -> list:
-    return [ComputedObject(file="", offset=0, nbytes=0, crc32c=[], encoding="torch", compute=lambda _: compute())]
-
 
 def read_deepspeed(storage: Storage) -> ForeignMetadata:
     """A native checkpoint as foreign metadata (see the module docstring)."""
@@ -235,19 +232,19 @@ def read_deepspeed(storage: Storage) -> ForeignMetadata:
                                                               address.start, address.numel, start))
                     done[name] = start + address.numel
     tensors = {k: tensor_meta(shapes[k][0], shapes[k][1], b) for k, b in sorted(boxes.items())}
-    objects: Dict[str, list] = {f"{OPTIM}/{canonical_name(n)}/step": _computed(
+    objects: Dict[str, list] = {f"{OPTIM}/{canonical_name(n)}/step": computed(
         lambda g=g: torch.as_tensor(ck.value(base["state"][g]["step"])).reshape(())) for n, g in group_of.items()}
-    objects[f"{OPTIM}/param_groups"] = _computed(lambda: [
+    objects[f"{OPTIM}/param_groups"] = computed(lambda: [
         {**{k: ck.value(v) for k, v in group.items() if k != "params"},
          "params": [canonical_name(n) for n, g in group_of.items() if g in set(group["params"])]}
         for group in base["param_groups"]])
     if model.get("lr_scheduler"):
         sched = DictHandler(ck.value(dict(model["lr_scheduler"]))).save_items("sched")
-        objects.update((k, _computed(lambda v=v: v)) for k, v in sched.objects.items())
-        objects.update((f.key, _computed(lambda t=f.local: t)) for f in sched.fragments)
-    objects.update({f"engine/{k}": _computed(lambda v=int(model[k]): v)
+        objects.update((k, computed(lambda v=v: v)) for k, v in sched.objects.items())
+        objects.update((f.key, computed(lambda t=f.local: t)) for f in sched.fragments)
+    objects.update({f"engine/{k}": computed(lambda v=int(model[k]): v)
                     for k in ("global_steps", "global_samples", "skipped_steps") if k in model})
-    objects["client_state"] = _computed(lambda: ck.value({k: v for k, v in model.items() if k not in DS_KEYS}))
+    objects["client_state"] = computed(lambda: ck.value({k: v for k, v in model.items() if k not in DS_KEYS}))
     layout = {"zero_stage": 3 if ck.stage3 else _enum_value(ck.optim(0).get("zero_stage", 1)), "dp_world_size": world,
               "dtype": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(lp_dtype, "fp32")}
     files = {name: storage.size(name) for name in {b.file for t in tensors.values() for b in t.boxes}}

@@ -28,9 +28,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ckpt_plugins import CorruptCheckpointError, NotACheckpointError
-from ckpt_plugins.ext import (DCP_METADATA, FOREIGN_CHUNK, HF_CONFIG, MASTER, MODEL, OPTIM, ComputedObject, Dims,
-                              ForeignMetadata, ForeignReader, LazyFragment, ModelConfig, StandIn, Storage, chunk_boxes,
-                              chunk_location, data_files, dcp_index, dtype_from_name, hf_config, load_torch_inert,
+from ckpt_plugins.ext import (DCP_METADATA, FOREIGN_CHUNK, HF_CONFIG, MASTER, MODEL, OPTIM, Dims, ForeignMetadata,
+                              ForeignReader, LazyFragment, ModelConfig, StandIn, Storage, chunk_boxes, chunk_location,
+                              computed, data_files, dcp_index, dtype_from_name, hf_config, load_torch_inert,
                               model_config, read_dcp_metadata, read_object, read_tensor, saved_groups, segment_pieces,
                               storage_for, tensor_meta, view_boxes, within, write_checkpoint)
 from .family import OWN_NAMES, Ranks, canonical_segments, megatron_family, moe_layers
@@ -236,10 +236,6 @@ def _optimizer_ranks(args, chained: int, mp: int) -> Tuple[Ranks, int, int, Opti
     return Ranks(0, tp, ep_rank, ep, etp_rank, etp), pp_rank, 0, (ep_rank, etp_rank)
 
 
-def _computed(compute) -> list:
-    """An object of the view, computed from the checkpoint when a load asks for it."""
-    return [ComputedObject(file="", offset=0, nbytes=0, crc32c=[], encoding="torch", compute=lambda _: compute())]
-
 
 def _optimizer_view(ck: DcpCheckpoint, args, dims: Dims, padded_vocab: int, masters: bool):
     """The distributed optimizer's dp_reshardable state (a MoE run's dense and expert optimizers
@@ -331,8 +327,8 @@ def _optimizer_objects(ck: DcpCheckpoint, one_d: Dict[str, Tuple[int, bool]]) ->
             cache.update(groups=saved_groups(saved, LAYOUT_KEYS), steps=steps)
         return cache
 
-    objects = {f"{OPTIM}/param_groups": _computed(lambda: groups()["groups"])}
-    objects.update({f"{OPTIM}/{n}/step": _computed(lambda n=n: torch.tensor(groups()["steps"][n])) for n in one_d})
+    objects = {f"{OPTIM}/param_groups": computed(lambda: groups()["groups"])}
+    objects.update({f"{OPTIM}/{n}/step": computed(lambda n=n: torch.tensor(groups()["steps"][n])) for n in one_d})
     return objects
 
 
@@ -405,8 +401,7 @@ def read_megatron(storage) -> ForeignMetadata:
     tensors, objects, descriptive = _model_tensors(ck, dims), {}, ()
     if dims.family != OWN_NAMES.name:
         text = json.dumps(hf_config(config), indent=2)
-        objects[HF_CONFIG] = [ComputedObject(file="", offset=0, nbytes=0, crc32c=[], encoding="json",
-                                             compute=lambda _: text)]
+        objects[HF_CONFIG] = computed(lambda: text)
         descriptive = (HF_CONFIG,)
     if _distributed_optimizer(ck, args):
         optim, optim_objects = _optimizer_view(ck, args, dims, padded_vocab, masters=bool(args.bf16 or args.fp16))

@@ -32,7 +32,7 @@ from ..state import MODEL, OPTIM
 from ..storage import Storage
 from .archive import TensorLocation, read_archive
 from .pickles import load_pickle_restricted
-from .view import FOREIGN_CHUNK, ComputedObject, ForeignMetadata, RowPermute, raw_box, tensor_meta
+from .view import FOREIGN_CHUNK, ForeignMetadata, RowPermute, computed, raw_box, tensor_meta
 
 NAME = "PyTorch DCP"
 DCP_METADATA = ".metadata"
@@ -158,8 +158,7 @@ def read_dcp(storage: Storage) -> ForeignMetadata:
                                    encoding="torch")]
     if groups:
         items = {k: index[(k, None)] for k in groups}
-        objects[f"{OPTIM}/param_groups"] = [ComputedObject(file="", offset=0, nbytes=0, crc32c=[], encoding="torch",
-                                                           compute=lambda st: _param_groups(st, items, names.of))]
+        objects[f"{OPTIM}/param_groups"] = computed(lambda: _param_groups(storage, items, names.of))
     return ForeignMetadata(tensors=tensors, objects=objects, files=files, framework="dcp",
                            layout={"format": "dcp", "names": names.kind}, chunk_bytes=FOREIGN_CHUNK, source=NAME,
                            transforms=transforms)

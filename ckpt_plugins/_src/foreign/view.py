@@ -28,6 +28,11 @@ class ComputedObject(ObjectMeta):
     compute: Callable[[Any], Any] = None
 
 
+def computed(compute: Callable[[], Any]) -> List[ComputedObject]:
+    """A view's object, computed when a load asks for it (the list `Metadata.objects` holds)."""
+    return [ComputedObject(file="", offset=0, nbytes=0, crc32c=[], encoding="torch", compute=lambda _: compute())]
+
+
 @dataclass
 class ForeignMetadata(Metadata):
     """Metadata of a checkpoint in another format (`source` names it). `transforms`: stored key ->
