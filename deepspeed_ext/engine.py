@@ -142,8 +142,8 @@ class Hooks:
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         engine = self.engine
-        foreign = tag is None and cp.checkpoint_format(load_dir) not in (None, FORMAT_NAME, NATIVE)
-        if foreign:  # another format's checkpoint (HF, DCP): the directory itself, no tags
+        fmt = cp.checkpoint_format(load_dir) if tag is None else None
+        if fmt not in (None, FORMAT_NAME, NATIVE):  # another format's checkpoint (HF, DCP): the directory itself
             path = load_dir
         else:
             if tag is None:
@@ -152,8 +152,9 @@ class Hooks:
                     log.warning("no %s file in %s: pass an explicit tag to load a checkpoint", LATEST, load_dir)
                     return None, None
             path = os.path.join(load_dir, str(tag))
-            foreign = cp.checkpoint_format(path) not in (None, FORMAT_NAME, NATIVE)
-        if cp.checkpoint_format(path) in (None, NATIVE) and not storage_for(path).exists(DATA_DIR):  # DeepSpeed's own
+            fmt = cp.checkpoint_format(path)
+        foreign = fmt not in (None, FORMAT_NAME, NATIVE)
+        if fmt in (None, NATIVE) and not storage_for(path).exists(DATA_DIR):  # DeepSpeed's own
             return self.native_load(load_dir, tag, load_module_strict, load_optimizer_states,
                                     load_lr_scheduler_states, load_module_only, custom_load_fn)
         full = not load_module_only
@@ -167,7 +168,7 @@ class Hooks:
         if foreign:
             state, absent = fit_state(state, cp.read_metadata(path))
             if absent:
-                log.warning("%s (%s) holds no %s: left as they are", path, cp.checkpoint_format(path), ", ".join(absent))
+                log.warning("%s (%s) holds no %s: left as they are", path, fmt, ", ".join(absent))
         if engine._optimizer_has_ckpt_event_prologue():  # as DeepSpeed's own load: ZeRO-3 partitions first
             engine.optimizer.checkpoint_event_prologue()
         result = self.checkpointer.load(path, {**state, **ignored}, strict=load_module_strict)

@@ -271,10 +271,10 @@ class _Integration:
         an HF directory: no trainer_state.json, so nothing to resume) starts the run from it, as
         `init_from` does, at step 0."""
         path = resume_from_checkpoint
-        if isinstance(path, (str, os.PathLike)) and not os.path.isfile(os.path.join(path, "trainer_state.json")) \
-                and cp.checkpoint_format(path) not in (None, FORMAT_NAME):
-            log.info("%s is a %s checkpoint, not the Trainer's: the run starts from it at step 0", path,
-                     cp.checkpoint_format(path))
+        fmt = cp.checkpoint_format(path) if isinstance(path, (str, os.PathLike)) and not os.path.isfile(
+            os.path.join(path, "trainer_state.json")) else None
+        if fmt not in (None, FORMAT_NAME):
+            log.info("%s is a %s checkpoint, not the Trainer's: the run starts from it at step 0", path, fmt)
             self.init_from, resume_from_checkpoint = str(path), None
         return self.native["train"](resume_from_checkpoint, *args, **kwargs)
 

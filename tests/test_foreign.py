@@ -29,8 +29,8 @@ def hf_sharded_moe(root) -> str:
 
 
 def _quantized(name: str, t: torch.Tensor) -> bool:
-    return t.dim() == 2 and name.endswith(".weight") and ".self_attn." in name or ".mlp.experts." in name \
-        or ".shared_experts." in name
+    return t.dim() == 2 and name.endswith(".weight") and (".self_attn." in name or ".mlp.experts." in name
+                                                          or ".shared_experts." in name)
 
 
 def fp8_deepseek(root) -> tuple:

@@ -19,6 +19,7 @@ from .engine.exchange import ReadWork, read_items
 from .format import DATA_DIR, Metadata, ObjectMeta, chunk_checksums, dtype_from_name, dtype_name
 from .fragment import Fragment, sub_view
 from .objects import encode_object
+from .foreign.view import transformed
 from .plan import TensorSpec, place, plan_load, plan_save, specs_of
 from .storage import AlignedStream, Storage, storage_for
 
@@ -134,23 +135,19 @@ def read_tensor(storage: Storage, metadata: Metadata, key: str, dtype: Optional[
     when given."""
     key = metadata.aliases.get(key, key)
     meta = metadata.tensors[key]
-    how = getattr(metadata, "transforms", {}).get(key)
-    if how is not None:  # a foreign checkpoint's values computed from what is stored
-        stored = dtype_from_name(meta.dtype)
-        box = ((0,) * len(meta.shape), tuple(meta.shape))
-        reads = how.sources(key, meta.shape, stored, box)
-        plan = plan_load(metadata, specs_of(reads))
-        read_items(storage, ReadWork(plan.reads, reads, {k: m.dtype for k, m in metadata.tensors.items()},
-                                     metadata.chunk_bytes), threads=threads)
-        return how.apply(box, [r.local for r in reads], dtype or how.value_dtype(stored))
-    dtype = dtype or dtype_from_name(meta.dtype)
+    stored = dtype_from_name(meta.dtype)
+    how = getattr(metadata, "transforms", {}).get(key)  # a foreign checkpoint's values computed as loads do
+    dtype = dtype or (how.value_dtype(stored) if how is not None else stored)
     if buffer is None:
         out = torch.empty(tuple(meta.shape), dtype=dtype)
     else:
         out = buffer[:math.prod(meta.shape) * dtype.itemsize].view(dtype).view(tuple(meta.shape))
-    frag = Fragment(key, tuple(meta.shape), out.dtype, (0,) * out.dim(), out, cast=dtype is not None)
-    spec = TensorSpec(key, tuple(meta.shape), dtype_name(out.dtype), frag.offsets, tuple(out.shape), (), frag.cast)
-    plan = plan_load(metadata, [spec])
-    read_items(storage, ReadWork(plan.reads, [frag], {k: m.dtype for k, m in metadata.tensors.items()},
+    finish: List[Callable[[], None]] = []
+    frags = transformed(metadata, [Fragment(key, tuple(meta.shape), out.dtype, (0,) * out.dim(), out, cast=True)],
+                        finish)
+    plan = plan_load(metadata, specs_of(frags))
+    read_items(storage, ReadWork(plan.reads, frags, {k: m.dtype for k, m in metadata.tensors.items()},
                                  metadata.chunk_bytes), threads=threads)
+    for step in finish:
+        step()
     return out

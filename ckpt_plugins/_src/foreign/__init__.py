@@ -18,8 +18,8 @@ from .pickles import StandIn, load_pickle_restricted, load_torch_inert
 from .safetensors import NAME as HF, is_hf_dir, read_hf_dir
 from .view import ComputedObject, ForeignMetadata
 
-__all__ = ["ForeignReader", "register_reader", "read_foreign", "detect", "fit_state", "HF", "DCP", "readers", "ForeignMetadata", "ComputedObject",
-           "StandIn", "load_pickle_restricted", "load_torch_inert"]
+__all__ = ["ForeignReader", "register_reader", "read_foreign", "detect", "fit_state", "HF", "DCP", "readers",
+           "ForeignMetadata", "ComputedObject", "StandIn", "load_pickle_restricted", "load_torch_inert"]
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,6 @@ class ForeignReader:
 
 
 _READERS: List[ForeignReader] = [ForeignReader(HF, is_hf_dir, read_hf_dir), ForeignReader(DCP, is_dcp_dir, read_dcp)]
-
-
 _DISCOVERED: List[bool] = []
 ENTRY_POINTS = "ckpt_plugins.readers"  # extensions' formats, found on first use whatever the job imported
 

@@ -41,12 +41,6 @@ class ForeignMetadata(Metadata):
     transforms: Dict[str, "Transform"] = field(default_factory=dict)
     descriptive: Tuple[str, ...] = ()  # objects that describe the checkpoint (config.json), not state
 
-    @property
-    def unverified_bytes(self) -> int:
-        """Stored bytes no checksum covers: all of them."""
-        return sum(b.nbytes for t in self.tensors.values() for b in t.boxes) + \
-            sum(o.nbytes for objs in self.objects.values() for o in objs)
-
 
 def raw_box(file: str, offset: int, dtype: torch.dtype, offsets: Sequence[int], lengths: Sequence[int]) -> StoredBox:
     """A box of row-major bytes at `offset` of `file`, with no checksums."""
