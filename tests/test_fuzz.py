@@ -38,6 +38,14 @@ def test_random_json_is_a_metadata_error(value):
         decode_metadata(json.dumps(value).encode())
 
 
+@pytest.mark.parametrize("target", [["model/0.weight"], {"k": 1}, 3, None])
+def test_an_alias_to_anything_but_a_stored_key_is_a_metadata_error(valid, target):
+    raw = json.loads((valid / "metadata.json").read_text())
+    raw["aliases"] = {"model/tied.weight": target}
+    with pytest.raises(cp.MetadataError, match="alias model/tied.weight"):
+        decode_metadata(json.dumps(raw).encode())
+
+
 def state(seed=0):
     torch.manual_seed(seed)
     return {"model": nn.Sequential(nn.Linear(6, 40), nn.Linear(40, 3)), "extra": {"step": 3, "t": torch.arange(5)}}

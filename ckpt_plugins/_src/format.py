@@ -217,7 +217,7 @@ def decode_metadata(data: bytes) -> Metadata:
         _need(item.offset + item.nbytes <= files[item.file], f"{key} extends past the end of {item.file}")
     aliases = _dict(raw.get("aliases", {}), "aliases")
     for alias, target in aliases.items():
-        _need(target in tensors, f"alias {alias} points to missing tensor {target!r}")
+        _need(isinstance(target, str) and target in tensors, f"alias {alias} points to missing tensor {target!r}")
     step = raw.get("step")
     _need(step is None or type(step) is int, "step must be an integer or null")
     layout = _dict(raw.get("layout", {}), "layout")
