@@ -67,7 +67,8 @@ class RunState(Handler):
     def __init__(self, iteration: int = 0, flops: float = 0, args=None):
         self.values: Dict[str, Any] = {"iteration": iteration, "num_floating_point_operations_so_far": flops}
         if args is not None:
-            self.values["args"] = {k: v for k, v in sorted(vars(args).items()) if _plain(v)}
+            self.values["args"] = {k: p for k, p in ((k, _as_json(v)) for k, v in sorted(vars(args).items()))
+                                   if p is not _UNSTORED}
 
     def save_items(self, prefix: str) -> SaveItems:
         return SaveItems(objects={f"{prefix}/{k}": v for k, v in self.values.items()})
@@ -78,12 +79,16 @@ class RunState(Handler):
                                   if f"{prefix}/{k}" in metadata.objects})
 
 
-def _plain(value) -> bool:
+_UNSTORED = object()
+
+
+def _as_json(value):
+    """`value` as plain JSON data (an enum such as `exit_signal` becomes its number, a tuple a list),
+    so the arguments are stored as JSON that any process reads; `_UNSTORED` when it has none."""
     try:
-        json.dumps(value, allow_nan=False)
-        return True
+        return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError):
-        return False
+        return _UNSTORED
 
 
 class TrackerRNG(Handler):
@@ -330,7 +335,7 @@ def install() -> None:
     """Route Megatron's save_checkpoint/load_checkpoint through ckpt_plugins when the run has
     `--ckpt-backend bytecheckpoint`. Idempotent."""
     require_version("megatron", "megatron-core", SUPPORTED, "megatron_ext",
-                    "pip install --no-deps megatron-core (README: Megatron-core)")
+                    "pip install --no-deps megatron-core (docs/install.md)")
     from megatron.training import checkpointing, get_args, training
 
     if getattr(checkpointing.save_checkpoint, "ckpt_plugins", False):

@@ -76,6 +76,8 @@ def hook_worker(rank, world, root, native):
     with open(os.path.join(root, bcp.TRACKER)) as f:
         assert f.read() == "2"
     assert cp.read_metadata(os.path.join(root, "iter_0000002")).framework == "megatron"
+    args_entry, = cp.read_metadata(os.path.join(root, "iter_0000002")).objects["megatron/args"]
+    assert args_entry.encoding == "json"  # readable without megatron's types (exit_signal is an enum)
     for r in load_telemetry(storage_for(os.path.join(root, "iter_0000002")))["ranks"]:
         assert r.phase("plan").info["cached"] and r.phase("staging").bytes == 0, r  # warmed up
     draws = torch.rand(3)
