@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections import OrderedDict
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -135,6 +136,16 @@ def _storage_id(tensor: torch.Tensor):
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
+def _register_sharded(module: nn.Module) -> None:
+    """FSDP2 leaves a module's parameters gathered after a forward without backward (an evaluation
+    pass) and registers its sharded ones again before `state_dict()`; reading the parameters
+    directly needs the same. A job that never imported FSDP has no FSDP module (and pays no import)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    for m in module.modules() if fsdp is not None else ():
+        if isinstance(m, fsdp.FSDPModule):
+            m.reshard()
+
+
 # ------------------------------------------------------------------ modules
 
 
@@ -156,6 +167,7 @@ class ModuleHandler(Handler):
         return {canonical_name(k): v for k, v in self.module.state_dict().items()}
 
     def param_layouts(self) -> Dict[int, "ParamLayout"]:
+        _register_sharded(self.module)
         return {id(p): plain_layout(canonical_name(n), p, self.map) for n, p in self.module.named_parameters()}
 
     def _split_tied(self, prefix: str, named: Dict[str, torch.Tensor]):
