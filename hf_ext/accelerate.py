@@ -198,10 +198,16 @@ def _load_dir(accelerator, input_dir: Optional[str]) -> str:
 def _handled_models(accelerator, hooks, path: str, load: bool = False) -> List:
     """The prepared models left to ckpt_plugins once accelerate's pre-hooks ran: a hook that saves
     or loads a model itself pops it (save hooks pop its state dict from `weights`)."""
+    from accelerate.utils import DistributedType
+
     models = list(accelerator._models)
     if load:
         for hook in hooks.values():
             hook(models, path)
+        return models
+    if not hooks or accelerator.distributed_type == DistributedType.FSDP:
+        for hook in hooks.values():  # as accelerate: an FSDP model's state dict is not gathered for the hooks
+            hook(models, [], path)
         return models
     weights = [accelerator.get_state_dict(m, unwrap=False) for m in models]
     given = list(weights)

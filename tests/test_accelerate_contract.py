@@ -6,6 +6,7 @@ bit."""
 import os
 import shutil
 
+import pytest
 import torch
 
 from distributed import run_env_ranks
@@ -93,3 +94,17 @@ def test_accelerate_save_state_with_the_plugin_keeps_accelerates_folders_hooks_a
     assert resumed["dirs"] == ours["dirs"] and resumed["step"] == ours["step"]
     assert all(torch.equal(resumed["weights"][k], v) for k, v in ours["weights"].items())
     assert all(torch.equal(resumed["moments"][k][n], t) for k, s in ours["moments"].items() for n, t in s.items())
+
+
+def test_a_save_without_hooks_gathers_no_state_dict(tmp_path, monkeypatch):
+    """accelerate hands its save hooks each model's state dict (none under FSDP); without hooks
+    nothing asks for one, so an FSDP model is never gathered for a save."""
+    from accelerate import Accelerator
+
+    import hf_ext.accelerate
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(tiny_llama(0))
+    hf_ext.accelerate.enable(accelerator)
+    monkeypatch.setattr(accelerator, "get_state_dict", lambda *a, **k: pytest.fail("state dict gathered"))
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    assert os.path.exists(tmp_path / "ckpt" / "metadata.json")
