@@ -14,5 +14,5 @@ DS_BUILD_OPS=0 pip --no-build-isolation deepspeed==0.19.8 "transformers>=5,<6" a
 # megatron-core 0.19.2 declares Requires-Python >= 3.12 but its wheel is built for 3.11 and runs on
 # it; with its dependencies resolved pip would pick a numpy sdist that needs 3.12, so --no-deps.
 pip --no-deps --ignore-requires-python megatron-core==0.19.2
-pip -e ".[test]"
+pip -e ".[test,docs]"
 .venv/bin/python examples/demo.py

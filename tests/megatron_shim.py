@@ -23,7 +23,7 @@ idempotent. What it changes, and why (each is a CPU stand-in for a CUDA call Meg
   write the CPU default generator (the originals go through ``torch.cuda.default_generators`` and
   ``torch.cuda._lazy_call``, which on a CPU build fail or queue the call forever).
 * ``typing.override`` (Python 3.12) aliased to ``typing_extensions.override``: megatron.training's
-  model builders import it, and the 0.19.2 wheel is installed on 3.11 (see README).
+  model builders import it, and the 0.19.2 wheel is installed on 3.11 (see docs/install.md).
 * The MoE alltoall dispatcher moves its split sizes to the host as NumPy arrays only when they are
   CUDA tensors (`moe_utils.maybe_move_tensor_to_cpu`); on CPU they stay tensors, which gloo's
   `all_to_all_single` rejects. On CPU they become the same NumPy arrays the GPU path makes.

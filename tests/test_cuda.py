@@ -1,6 +1,6 @@
 """The engine's CUDA paths: pinned staging, device-to-host snapshots, loads into device tensors.
 
-CI has no GPU, so these run where one is present (README, "GPU checks"); elsewhere they are skipped.
+CI has no GPU, so these run where one is present (docs/benchmarks.md, "GPU checks"); elsewhere they are skipped.
 """
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""README's worked example: a Qwen3-MoE pre-trained in Megatron with EP2 on 2 processes, exported
+"""The worked example of docs/guides/across-frameworks.md: a Qwen3-MoE pre-trained in Megatron with EP2 on 2 processes, exported
 with its config.json, fine-tuned in the HF Trainer on 1 process (its experts fused), whose
 checkpoint loads back into Megatron EP2, weights and Adam moments bit for bit. (On CPU accelerate
 runs the Trainer's FSDP settings as DDP; FSDP2's handling of the same model is the matrix's.)"""
