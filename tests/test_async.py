@@ -60,6 +60,47 @@ def test_overlapped_save_returns_before_the_snapshot(tmp_path, monkeypatch):
     assert_loads_as(tmp_path / "o", before)
 
 
+def held_snapshots(monkeypatch, seconds):
+    """Snapshots start only `seconds` from now (as a slow copy would finish late)."""
+    from ckpt_plugins._src.engine.write import StagedWrite
+    go = threading.Event()
+    threading.Timer(seconds, go.set).start()
+    original = StagedWrite.snapshot
+    monkeypatch.setattr(StagedWrite, "snapshot", lambda self, buf, **kw: (go.wait(), original(self, buf, **kw))[1])
+    return go
+
+
+def test_a_gated_optimizer_step_waits_for_the_overlapped_snapshot_and_the_backward_does_not(tmp_path, monkeypatch):
+    from ckpt_plugins.ext import StepGate
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = values(model)
+    go = held_snapshots(monkeypatch, 0.5)
+    gate = StepGate()
+    gate.hold(cp.Checkpointer().save_async(tmp_path / "o", {"model": model}, overlap=True), opt)
+    handle = gate._pending
+    model(torch.ones(2, 64)).sum().backward()  # beside the snapshot
+    assert not go.is_set()
+    opt.step()  # waits for it
+    assert handle._snapshot.is_set()
+    handle.wait()
+    assert_loads_as(tmp_path / "o", before)
+    opt.step()  # later steps do not wait (nothing pending), and the wrapper is installed once
+    assert gate._pending is None and opt._ckpt_plugins_gate is gate
+
+
+def test_a_load_waits_for_an_overlapped_snapshot_of_the_state_it_fills(tmp_path, monkeypatch):
+    model = make()
+    before = values(model)
+    cp.save(tmp_path / "other", {"model": make(seed=5)})
+    ckpt = cp.Checkpointer()
+    held_snapshots(monkeypatch, 0.5)
+    handle = ckpt.save_async(tmp_path / "o", {"model": model}, overlap=True)
+    ckpt.load(tmp_path / "other", {"model": model})
+    handle.wait()
+    assert_loads_as(tmp_path / "o", before)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, monkeypatch):
     """Host tensors go as memmove pieces on several threads, the rest on the caller's thread; the

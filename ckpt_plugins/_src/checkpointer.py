@@ -84,7 +84,10 @@ class Checkpointer:
             warm.run(False)
 
     def _after_last(self, storage) -> None:
-        if self._last is not None and self._last.path == str(storage):
+        if self._last is None:
+            return
+        self._last.wait_snapshot_quietly()  # an overlapped snapshot may still be copying the state
+        if self._last.path == str(storage):
             self._last.wait_quietly()  # never clean up or read under a save still writing here
 
     def save(self, path, state: Dict[str, Any], *, hooks: SaveHooks = NO_HOOKS, **options) -> SaveInfo:

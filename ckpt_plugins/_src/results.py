@@ -71,6 +71,10 @@ class SaveHandle:
         if self._error is not None and not self._done.is_set():
             raise self._error
 
+    def wait_snapshot_quietly(self) -> None:
+        """Block until the snapshot is over, taken or failed, leaving a failure to `wait()`."""
+        self._snapshot.wait()
+
     def done(self) -> bool:
         return self._done.is_set()
 

@@ -1,0 +1,43 @@
+"""Overlapped saves in a framework's training loop: the optimizer step waits for the snapshot.
+
+An overlapped save (`save_async(..., overlap=True)`) returns at once and copies the state beside
+the next forward and backward. Those leave the saved tensors alone; the optimizer step does not.
+A hook that saves this way hands the handle and the optimizers to a `StepGate`, whose wrapper
+around each optimizer's `step` waits for the snapshot first: one wait, just before the first
+mutation, whatever the framework's loop looks like (gradient accumulation steps the optimizer
+only at a boundary)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from .results import SaveHandle
+
+
+class StepGate:
+    """Holds optimizer steps until the pending overlapped save's snapshot is taken."""
+
+    def __init__(self):
+        self._pending: Optional[SaveHandle] = None
+
+    def hold(self, handle: SaveHandle, *optimizers) -> None:
+        """The next `step` of each of `optimizers` (objects with a `step` method: torch's, DeepSpeed's,
+        Megatron's, accelerate's wrappers) waits for `handle`'s snapshot. Wraps each once."""
+        self._pending = handle
+        for optimizer in optimizers:
+            if getattr(optimizer, "_ckpt_plugins_gate", None) is self:
+                continue
+            native = optimizer.step
+
+            def step(*args, _native=native, **kwargs):
+                self.release()
+                return _native(*args, **kwargs)
+
+            optimizer.step = step
+            optimizer._ckpt_plugins_gate = self
+
+    def release(self) -> None:
+        """Wait for the pending snapshot, if any. A failed snapshot is the save's failure: its
+        handle's `wait()` raises it, not the training step."""
+        handle, self._pending = self._pending, None
+        if handle is not None:
+            handle.wait_snapshot_quietly()
