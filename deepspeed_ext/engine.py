@@ -17,7 +17,7 @@ import shutil
 from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import (DATA_DIR, FORMAT_NAME, Handler, LoadItems, LocalStorage, SaveHooks, SaveItems,
+from ckpt_plugins.ext import (DATA_DIR, FORMAT_NAME, Handler, LoadItems, LocalStorage, SaveHooks, SaveItems, StepGate,
                               fit_state, read_pointer, storage_for, take_finished)
 
 from . import zero_to_fp32
@@ -81,7 +81,9 @@ def layout(engine) -> Dict[str, Any]:
 class Hooks:
     def __init__(self, engine, options: Dict[str, Any]):
         self.engine = engine
-        self.async_save = bool(options.get("async", False))
+        self.overlap = bool(options.get("overlap", False))
+        self.async_save = self.overlap or bool(options.get("async", False))
+        self.gate = StepGate()  # an overlapped save's snapshot runs until the optimizer's next step
         self.native_load, self.native_step = engine.load_checkpoint, engine.step
         self.checkpointer = cp.checkpointer()
         self.unlogged: list = []  # SaveInfo or SaveHandle of saves not yet in the monitor
@@ -121,9 +123,15 @@ class Hooks:
         # as DeepSpeed's own save: ZeRO-3 releases gathered parameters before, gathers persistent ones after
         if engine._optimizer_has_ckpt_event_prologue():
             engine.optimizer.checkpoint_event_prologue()
-        save = self.checkpointer.save_async if self.async_save else self.checkpointer.save
-        result = save(path, self.state(client_state), framework="deepspeed", layout=layout(engine),
-                      step=int(engine.global_steps), overwrite=True, hooks=SaveHooks(on_commit=after_commit))
+        options = dict(framework="deepspeed", layout=layout(engine), step=int(engine.global_steps), overwrite=True,
+                       hooks=SaveHooks(on_commit=after_commit))
+        if self.async_save:
+            result = self.checkpointer.save_async(path, self.state(client_state), overlap=self.overlap, **options)
+            # ZeRO's forward and backward leave what is saved alone (stage 3 gathers into other
+            # memory than its partitions); its step changes it
+            self.gate.hold(result, *[o for o in (engine.optimizer,) if o is not None])
+        else:
+            result = self.checkpointer.save(path, self.state(client_state), **options)
         if engine._optimizer_has_ckpt_event_epilogue():
             engine.optimizer.checkpoint_event_epilogue()
         self.unlogged.append(result)

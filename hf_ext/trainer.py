@@ -1,7 +1,7 @@
 """The HF Trainer saving and resuming through ckpt_plugins.
 
     trainer = Trainer(model=model, args=args, ...)
-    hf_ext.trainer.enable(trainer)          # or enable(trainer, async_save=True)
+    hf_ext.trainer.enable(trainer)          # or enable(trainer, async_save=True), or overlap=True
     trainer.train()                          # checkpoint-N/ are ckpt_plugins checkpoints
     trainer.train(resume_from_checkpoint=True)   # on any number of processes
 
@@ -33,7 +33,9 @@ What it changes, on this one Trainer instance (documented because these are Trai
   at the first save. `adapters_only=False` stores everything in every checkpoint.
 - `async_save=True`: a save returns once its snapshot is taken. Rotation then waits until the
   save has committed (at the next save or at the end of training), so the newest whole checkpoint
-  is never deleted for one still being written.
+  is never deleted for one still being written. `overlap=True` (asynchronous too): a save returns
+  at once, its snapshot runs beside the next forward and backward passes, and the optimizer's next
+  step waits for it (with gradient accumulation, the step at the accumulation boundary).
 
 The training data (with the Trainer's default random sampling): the sampler is replaced by one
 whose order is fixed by the seed and the epoch, and each checkpoint stores the data position
@@ -56,7 +58,8 @@ from typing import Any, Dict, Optional
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import FORMAT_NAME, Order, SaveHooks, fit_state, read_object, require_version, storage_for
+from ckpt_plugins.ext import (FORMAT_NAME, Order, SaveHooks, StepGate, fit_state, read_object, require_version,
+                              storage_for)
 
 from .mapping import is_peft_model
 from .safetensors_io import HF_CONFIG, write_model_files
@@ -74,12 +77,14 @@ TRANSFORMERS = ("5", "6")  # the Trainer internals this hook replaces, and trans
 
 
 class _Integration:
-    def __init__(self, trainer, async_save: bool, checkpointer: Optional[cp.Checkpointer],
+    def __init__(self, trainer, async_save: bool, overlap: bool, checkpointer: Optional[cp.Checkpointer],
                  peft_base: Optional[str], adapters_only: bool, hf_weights: bool, on_data_change: str):
         if on_data_change not in DATA_CHANGES:
             raise ValueError(f"on_data_change must be one of {DATA_CHANGES}, not {on_data_change!r}")
         self.trainer = trainer
-        self.async_save = async_save
+        self.overlap = overlap
+        self.async_save = async_save or overlap
+        self.gate = StepGate()  # an overlapped save's snapshot runs until the optimizer's next step
         self.checkpointer = checkpointer
         self.peft_base, self.adapters_only = peft_base, adapters_only
         self.hf_weights, self.on_data_change = hf_weights, on_data_change
@@ -134,13 +139,15 @@ class _Integration:
             return self.native["save_model"](output_dir, _internal_call)
         t = self.trainer
         output_dir = output_dir or t.args.output_dir
-        save = self.ckpt().save_async if self.async_save else self.ckpt().save
-        result = save(output_dir, self.saved_state(), framework="hf-trainer", layout={"world_size": t.args.world_size},
-                      step=t.state.global_step, base=self.base(), overwrite=True,
-                      hooks=SaveHooks(then=_model_files(output_dir) if self.hf_weights else None))
+        options = dict(framework="hf-trainer", layout={"world_size": t.args.world_size}, step=t.state.global_step,
+                       base=self.base(), overwrite=True,
+                       hooks=SaveHooks(then=_model_files(output_dir) if self.hf_weights else None))
         if self.async_save:
+            result = self.ckpt().save_async(output_dir, self.saved_state(), overlap=self.overlap, **options)
             self.pending = result
+            self.gate.hold(result, *[o for o in (t.optimizer,) if o is not None])
         else:
+            result = self.ckpt().save(output_dir, self.saved_state(), **options)
             self.log_save(result)
         if t.args.should_save:
             _save_side_files(t, output_dir)
@@ -356,19 +363,21 @@ _HOOKS = ("_save_checkpoint", "save_model", "_load_from_checkpoint", "_load_opti
 _NO_OPS = ("_save_optimizer_and_scheduler", "_save_rng_state", "_save_scaler")
 
 
-def enable(trainer, *, async_save: bool = False, checkpointer: Optional[cp.Checkpointer] = None,
+def enable(trainer, *, async_save: bool = False, overlap: bool = False, checkpointer: Optional[cp.Checkpointer] = None,
            peft_base: Optional[str] = None, adapters_only: bool = True, hf_weights: bool = True,
            on_data_change: str = "warn", init_from: Optional[str] = None):
     """Make `trainer` save and resume through ckpt_plugins (see the module docstring). Returns it.
 
-    `hf_weights`: write the model's HF files into each checkpoint too (from_pretrained reads it).
+    `async_save`: saves return once their snapshot is taken; `overlap`: at once, the optimizer's next
+    step waiting for the snapshot. `hf_weights`: write the model's HF files into each checkpoint too
+    (from_pretrained reads it).
     `on_data_change`: "warn" (the Trainer's own fast-forward) or "error" when a resume finds the
     training data changed since its checkpoint. `init_from`: a checkpoint a run that does not
     resume starts from (HF safetensors, PyTorch DCP, ours): its model and any optimizer state."""
     require_version("transformers", "transformers", TRANSFORMERS, "hf_ext.trainer")
     from transformers import TrainerCallback
 
-    integration = _Integration(trainer, async_save, checkpointer, peft_base, adapters_only, hf_weights,
+    integration = _Integration(trainer, async_save, overlap, checkpointer, peft_base, adapters_only, hf_weights,
                                on_data_change)
     integration.init_from = None if init_from is None else str(init_from)
     for name in _HOOKS:

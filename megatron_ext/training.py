@@ -13,7 +13,8 @@ the default) they call Megatron's own. Kept: `--save`/`--load`, `iter_NNNNNNN` d
 `latest_checkpointed_iteration.txt` (written by rank 0 once the checkpoint has committed), `--ckpt-step`,
 `--finetune`, `--no-save-optim`/`--no-load-optim`, `--no-save-rng`/`--no-load-rng`, `--use-checkpoint-args`
 (the model arguments come from the checkpoint, through Megatron's own rules), `--async-save`
-(an asynchronous ckpt_plugins save), `--non-persistent-save-interval` (saves to the memory tier,
+(an asynchronous ckpt_plugins save; `--ckpt-overlap`: returns at once, the snapshot running beside
+the next forward and backward until the optimizer step), `--non-persistent-save-interval` (saves to the memory tier,
 replicated to another host; a restart with `--load` = `--save` takes the newest of memory and the
 tracker's iteration, agreed by every rank), the iteration, FLOPs so far, consumed samples, the LR scheduler
 and RNG states (Python, NumPy, torch and Megatron's TP RNG tracker, per rank). `--load` may also name
@@ -29,8 +30,8 @@ import os
 from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import (FAMILIES, FORMAT_NAME, HF_CONFIG, Handler, LoadItems, SaveHooks, SaveItems, read_pointer,
-                              require_version, storage_for, stored_entries, take_finished)
+from ckpt_plugins.ext import (FAMILIES, FORMAT_NAME, HF_CONFIG, Handler, LoadItems, SaveHooks, SaveItems, StepGate,
+                              read_pointer, require_version, storage_for, stored_entries, take_finished)
 
 from .family import OWN_NAMES
 from .gpt import MegatronModel, MegatronOptimizer, hf_config_json
@@ -52,6 +53,9 @@ def add_arguments(parser):
     group.add_argument("--ckpt-hf-family", choices=sorted(FAMILIES) + [OWN_NAMES.name], default=None,
                        help="the HF family whose tensor names the checkpoint uses (default: from the model's "
                             "config; a MoE model without q/k norms or shared experts is taken for Mixtral)")
+    group.add_argument("--ckpt-overlap", action="store_true",
+                       help="with --ckpt-backend bytecheckpoint: a save returns at once (asynchronous), its snapshot "
+                            "runs beside the next forward and backward, and the next optimizer step waits for it")
     return parser
 
 
@@ -142,11 +146,21 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
     def write_tracker() -> None:  # only once the checkpoint is whole
         storage_for(args.save).put_atomic(TRACKER, str(iteration).encode())
 
-    save = cp.save_async if getattr(args, "async_save", False) else cp.save
-    result = save(checkpoint_dir(args.save, iteration), state, framework="megatron", step=int(iteration),
-                  overwrite=True, layout=_layout(args), hooks=SaveHooks(on_commit=write_tracker))
+    path, overlap = checkpoint_dir(args.save, iteration), bool(getattr(args, "ckpt_overlap", False))
+    options = dict(framework="megatron", step=int(iteration), overwrite=True, layout=_layout(args),
+                   hooks=SaveHooks(on_commit=write_tracker))
+    if overlap or getattr(args, "async_save", False):
+        result = cp.save_async(path, state, overlap=overlap, **options)
+        # the forward and backward leave the saved tensors alone (train() finishes the distributed
+        # optimizer's overlapped parameter all-gather before it saves); the step changes them
+        _gate.hold(result, *[o for o in (optimizer,) if o is not None])
+    else:
+        result = cp.save(path, state, **options)
     _logged(result)
     return result
+
+
+_gate = StepGate()  # an overlapped save's snapshot runs until the optimizer's next step
 
 
 def save_to_memory(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far):

@@ -146,13 +146,16 @@ def _ps():
 
 def build_gpt(seed: int, vocab: int = 96, hidden: int = 32, ffn: int = 64, layers: int = 4, heads: int = 4,
               kv_heads: int = 2, dtype: torch.dtype = torch.float32, tied: bool = False,
-              distributed_optimizer: bool = True, moe: dict | None = None, hybrid: str | None = None):
+              distributed_optimizer: bool = True, moe: dict | None = None, hybrid: str | None = None,
+              overlap: bool = False):
     """This rank's piece of a tiny GPTModel (local spec, RMSNorm, SwiGLU, RoPE, no bias), wrapped
     (Float16Module for bf16, then) megatron's DistributedDataParallel. `distributed_optimizer`
     must match build_optimizer's choice: DDP reduce-scatters grads for the distributed optimizer
     and all-reduces them otherwise. `vocab` must be divisible by TP (no padding is added).
     `moe`: TransformerConfig fields making it a mixture of experts (MOE, DSV3), SequentialMLP experts.
-    `hybrid`: a HybridModel of this layer pattern (`*` attention, `-` MLP, `E` MoE) instead."""
+    `hybrid`: a HybridModel of this layer pattern (`*` attention, `-` MLP, `E` MoE) instead.
+    `overlap`: gradient reduce-scatters overlapped with the backward and (distributed optimizer)
+    parameter all-gathers with the next forward, as `--overlap-grad-reduce --overlap-param-gather`."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -176,7 +179,8 @@ def build_gpt(seed: int, vocab: int = 96, hidden: int = 32, ffn: int = 64, layer
         gpt = GPTModel(transformer_layer_spec=layer_spec(config), **common)
     init_weights(gpt, seed)
     module = Float16Module(config, gpt) if dtype == torch.bfloat16 else gpt
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
+                                               overlap_param_gather=overlap and distributed_optimizer,
                                                use_distributed_optimizer=distributed_optimizer)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
     return model

@@ -114,6 +114,44 @@ def engine_semantics(rank, world, root):
     cp.checkpointer().wait()
     assert open(os.path.join(root, "async", "latest")).read() == "global_step1"
 
+    overlapped_saves_hold_the_step(rank, world, root)
+
+
+def overlapped_saves_hold_the_step(rank, world, root):
+    """"overlap": save_checkpoint returns before the snapshot, which here starts only once the
+    optimizer's step has been called; the forward and backward passes between (ZeRO-3 gathering
+    its parameters, a gradient accumulation micro-step) run beside it; the step waits for it."""
+    import threading
+
+    from ckpt_plugins._src.engine.write import StagedWrite
+    from hf_models import batch
+    accumulate = {"train_micro_batch_size_per_gpu": ds_util.GLOBAL_ROWS // world, "gradient_accumulation_steps": 2,
+                  "checkpoint": {"backend": "bytecheckpoint", "overlap": True}}
+    eng = ds_util.engine(3, True, extra=accumulate)
+    for micro in range(2):
+        ds_util.step(eng, micro)
+    ref = ds_util.full_state(eng)
+    go, native = threading.Event(), StagedWrite.snapshot
+    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(), native(self, buf, **kw))[1]
+    try:
+        eng.save_checkpoint(os.path.join(root, "overlap"))
+        handle = cp.checkpointer()._last
+        assert not handle._snapshot.is_set()
+        for micro in range(2):
+            ids = batch(2 + micro, ds_util.GLOBAL_ROWS)[rank::world]
+            eng.backward(eng(input_ids=ids, labels=ids).loss)
+            if micro == 1:  # the boundary: the optimizer steps now
+                threading.Timer(0.3, go.set).start()
+            eng.step()
+    finally:
+        StagedWrite.snapshot = native
+    cp.checkpointer().wait()
+    after = ds_util.full_state(eng)
+    assert not all(torch.equal(v, after[k]) for k, v in ref.items() if k.startswith("w/"))  # training went on
+    fresh = ds_util.engine(3, True, seed=1, extra=accumulate)
+    fresh.load_checkpoint(os.path.join(root, "overlap"))
+    ds_util.assert_same_training_state(ref, ds_util.full_state(fresh))
+
 
 def test_engine_checkpoint_semantics(tmp_path):
     run_env_ranks(2, engine_semantics, str(tmp_path))

@@ -122,6 +122,53 @@ def test_trainer_async_saves_rotate_only_committed_checkpoints(tmp_path):
         assert cp.read_metadata(run / name).step == int(name.split("-")[1])  # committed, whole
 
 
+def overlapped_run(rank, world, out_dir, result_path):
+    """overlap=True with gradient accumulation: the save at step 2 returns before its snapshot,
+    which here starts only once the optimizer's next step is due; the two forward and backward
+    passes of step 3 run beside it, and the step waits for it."""
+    import threading
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import hf_ext.trainer
+    from ckpt_plugins._src.engine.write import StagedWrite
+    go, native = threading.Event(), StagedWrite.snapshot
+    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(), native(self, buf, **kw))[1]
+    seen = {}
+
+    class Watch(TrainerCallback):
+        def on_save(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 2:  # what checkpoint-2 must hold (the run saves again at its end)
+                seen["saved"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                seen["snapshot taken before the save returned"] = cp.checkpointer()._last._snapshot.is_set()
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if "saved" in seen and "timer" not in seen:  # the snapshot may start 0.3 s after the step was due
+                seen["timer"] = threading.Timer(0.3, go.set)
+                seen["timer"].start()
+
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=3, save_strategy="steps", save_steps=2, learning_rate=1e-2, use_cpu=True,
+                             report_to=[], seed=0, disable_tqdm=True)
+    trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=Tokens(), callbacks=[Watch()])
+    hf_ext.trainer.enable(trainer, overlap=True)
+    trainer.train()
+    StagedWrite.snapshot = native
+    torch.save({"saved": seen["saved"], "early": seen["snapshot taken before the save returned"],
+                "final": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}, result_path)
+
+
+def test_an_overlapped_trainer_save_holds_the_optimizer_step_not_the_accumulation_steps(tmp_path):
+    run_env_ranks(1, overlapped_run, str(tmp_path / "run"), tmp_path / "seen.pt")
+    seen = torch.load(tmp_path / "seen.pt")
+    assert seen["early"] is False
+    model = tiny_llama(5)
+    cp.load(tmp_path / "run" / "checkpoint-2", {"model": model}, strict=False)
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in seen["saved"].items())
+    assert not all(torch.equal(seen["final"][k], v) for k, v in seen["saved"].items())  # step 3 trained
+
+
 class Indexed(Tokens):
     def __getitem__(self, i):
         return {**super().__getitem__(i), "idx": i}

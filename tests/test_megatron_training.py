@@ -170,6 +170,65 @@ def torch_dcp_worker(rank, world, root):
     mu.destroy()
 
 
+def overlapped_save_worker(rank, world, root):
+    """--ckpt-overlap with the distributed optimizer's overlapped gradient reduce-scatter and
+    parameter all-gather: the save returns before its snapshot, which here starts only once the
+    next optimizer step has been called; that step waits for it, the forward and backward do not."""
+    import threading
+
+    import megatron_util as mu
+    import megatron_ext.training as bcp
+    from ckpt_plugins._src.engine.write import StagedWrite
+    megatron_args(1, 1, root, "--ckpt-backend", "bytecheckpoint", "--ckpt-overlap", "--overlap-grad-reduce",
+                  "--overlap-param-gather")  # (installs the CPU shim before megatron is imported)
+    from megatron.training import checkpointing, training
+    bcp.install()
+    mu.init_parallel(1, 1)
+    model = mu.build_gpt(0, dtype=torch.bfloat16, overlap=True)
+    assert model.use_forward_hook  # the parameter all-gather overlaps the next forward
+    opt = mu.build_optimizer(model)
+    sched = mu.build_scheduler(opt)
+    for i in range(2):
+        mu.megatron_train_step(model, opt, sched, i)
+    training.force_param_sync([model], opt)  # what train() does before it saves
+    saved = [p.detach().clone() for p in model.parameters()] + [
+        t.clone() for s in opt.chained_optimizers[0].optimizer.state.values() for t in s.values()]
+
+    go, native = threading.Event(), StagedWrite.snapshot
+    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(), native(self, buf, **kw))[1]
+    try:
+        training.save_checkpoint(2, [model], opt, sched, 0.0)
+        handle = cp.checkpointer()._last
+        assert not handle._snapshot.is_set()  # returned before the snapshot
+        gated = opt.step
+
+        def step(*args, **kwargs):  # the snapshot may start 0.3 s after the step was called
+            threading.Timer(0.3, go.set).start()
+            return gated(*args, **kwargs)
+
+        opt.step = step
+        mu.megatron_train_step(model, opt, sched, 2)
+    finally:
+        StagedWrite.snapshot = native
+    handle.wait()
+    mu.megatron_train_step(model, opt, sched, 3)  # the next forward finishes the parameter all-gather
+    assert not torch.equal(saved[0], next(model.parameters()))  # training went on
+
+    fresh = mu.build_gpt(9, dtype=torch.bfloat16, overlap=True)
+    fresh_opt = mu.build_optimizer(fresh)
+    fresh_sched = mu.build_scheduler(fresh_opt)
+    mu.megatron_train_step(fresh, fresh_opt, fresh_sched, 5)  # Megatron's optimizer loads only once it has stepped
+    assert checkpointing.load_checkpoint([fresh], fresh_opt, fresh_sched)[0] == 2
+    loaded = [p.detach() for p in fresh.parameters()] + [
+        t for s in fresh_opt.chained_optimizers[0].optimizer.state.values() for t in s.values()]
+    assert len(loaded) == len(saved) and all(torch.equal(a, b) for a, b in zip(saved, loaded))
+    mu.destroy()
+
+
+def test_an_overlapped_save_holds_the_optimizer_step_not_the_forward_and_backward(tmp_path):
+    run_ranks(2, overlapped_save_worker, str(tmp_path))
+
+
 def test_megatron_torch_dcp_checkpoint_loads_in_place_into_an_hf_model(tmp_path):
     """A torch_dcp directory is recognised as Megatron's (its args give the sizes) and fills
     transformers' Llama with the weights our own save of the same Megatron model holds."""
