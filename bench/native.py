@@ -139,61 +139,121 @@ def same(a: dict, b: dict) -> bool:
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def read_limit(root: str, nbytes: int) -> float:
+    """The machine's cold read speed for loads, in bytes/s over every rank at once: each rank reads
+    a file of its own the loader's way (its read threads, its piece size, O_DIRECT)."""
+    import inspect
+    from concurrent.futures import ThreadPoolExecutor
+    import ckpt_plugins as cp
+    from ckpt_plugins._src.engine.exchange import READ_PIECE
+    threads = inspect.signature(cp.Checkpointer).parameters["read_threads"].default
+    size = max(READ_PIECE, min(nbytes, 512 << 20) // READ_PIECE * READ_PIECE)
+    raw = torch.empty(size + 8192, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % 4096
+    buf = memoryview(raw[off:off + size].fill_(7).numpy())
+    path = os.path.join(root, f"limit{dist.get_rank()}.bin")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+    for i in range(0, size, READ_PIECE):
+        os.write(fd, buf[i:i + READ_PIECE])
+    os.fsync(fd)
+    os.close(fd)
+    drop_cache(path)
+    dist.barrier()
+    t = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda i: os.preadv(fd, [buf[i:i + READ_PIECE]], i), range(0, size, READ_PIECE)))
+    os.close(fd)
+    seconds = slowest(time.perf_counter() - t)
+    os.remove(path)
+    return size * dist.get_world_size() / seconds
+
+
+class Side:
+    """One framework's save and load calls, both ways, on one live job."""
+
+    def __init__(self, native_save, ours_save, native_load, ours_load, step, state, checkpoint):
+        self.native_save, self.ours_save, self.native_load, self.ours_load = native_save, ours_save, native_load, ours_load
+        self.step, self.state = step, state  # state(): this rank's saved tensors, for the bit-for-bit check
+        self.checkpoint = checkpoint  # checkpoint(save_dir): the checkpoint a save into save_dir wrote
+
+
+def measure(side: Side, args, root: str, what: str, skip_native=lambda key: False) -> dict:
+    """Medians over `args.reps` (after one unmeasured round: plans, staging, files) of: the native
+    save (fsynced), ours sync, ours overlapped (stall and commit), and the cold loads of both, in
+    alternating order; each load checked against the saved state. Fresh paths each round, as a
+    run saves; each deleted after use."""
+    import ckpt_plugins as cp
+    os.makedirs(root, exist_ok=True)
+    rec = {k: [] for k in ("native_save", "ours_sync", "ours_overlap_stall", "ours_overlap_commit",
+                            "native_load", "ours_load")}
+    saved = side.state()
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        return slowest(time.perf_counter() - t)
+
+    limits = []
+    for rep in range(args.reps + 1):
+        native_dir, ours_dir, overlap_dir = (os.path.join(root, f"{kind}{rep}") for kind in ("native", "ours", "overlap"))
+        measured = {"native_save": timed(lambda: (side.native_save(native_dir), fsync_tree(native_dir))),
+                    "ours_sync": timed(lambda: side.ours_save(ours_dir, False))}
+        dist.barrier()
+        t0 = time.perf_counter()
+        side.ours_save(overlap_dir, True)
+        stall = time.perf_counter() - t0
+        cp.checkpointer().wait()
+        measured.update(ours_overlap_stall=slowest(stall), ours_overlap_commit=slowest(time.perf_counter() - t0))
+        side.step(rep + 1)  # the state moves on: each load must bring the saved one back
+        loads = [("native_load", side.native_load, native_dir), ("ours_load", side.ours_load, ours_dir)]
+        for name, load, path in loads[::1 if rep % 2 else -1]:
+            cold(path)
+            measured[name] = timed(lambda: load(path))
+            got = side.state()
+            bad = [k for k in saved if not (name == "native_load" and skip_native(k))
+                   and (k not in got or not torch.equal(saved[k], got[k]))]
+            assert not bad, (f"{what} {name}: not the saved state", [(k, saved[k], got.get(k)) for k in bad][:3])
+            side.step(100 + rep)
+        side.ours_load(ours_dir)  # the saved state again, for the next saves
+        stored = cp.read_metadata(side.checkpoint(ours_dir)).total_bytes
+        limits.append(read_limit(root, stored // dist.get_world_size()))
+        measured["ours_bytes"] = stored
+        measured["native_bytes"] = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(native_dir) for f in fs)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            for d in (native_dir, ours_dir, overlap_dir):
+                if rep < args.reps or not args.keep_last:
+                    shutil.rmtree(d, ignore_errors=True)
+        dist.barrier()
+        if rep:
+            for k, v in measured.items():
+                rec.setdefault(k, []).append(v)
+    out = {k: statistics.median(v) for k, v in rec.items()}
+    out["read_limit"] = out["ours_bytes"] / statistics.median(limits)
+    return out
+
+
 def ds_worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> None:
     start(rank, world, port)
-    import ckpt_plugins as cp
     results = {}
+    args.keep_last = False
     for stage in args.stages:
         engine = ds_engine(stage, args.params_m, overlap=False)
         hooks = engine._ckpt_plugins
-        native_save, native_load = type(engine).save_checkpoint, hooks.native_load
-        ds_step(engine, 0)
-        saved = ds_local_state(engine)
-        rec = {k: [] for k in ("native_save", "ours_sync", "ours_overlap_stall", "ours_overlap_commit",
-                                "native_load", "ours_load")}
 
-        def timed(fn) -> float:
-            dist.barrier()
-            t = time.perf_counter()
-            fn()
-            return slowest(time.perf_counter() - t)
-
-        reps = args.reps + 1  # the first of each is unmeasured (one-time costs: plans, staging, files)
-        for rep in range(reps):
-            native_dir, ours_dir = os.path.join(root, f"native{rep % 2}"), os.path.join(root, f"ours{rep % 2}")
-            t = timed(lambda: (native_save(engine, native_dir, tag="t"), fsync_tree(native_dir)))
-            if rep:
-                rec["native_save"].append(t)
-            t = timed(lambda: engine.save_checkpoint(ours_dir, tag="t"))
-            if rep:
-                rec["ours_sync"].append(t)
-            hooks.overlap = hooks.async_save = True
-            dist.barrier()
-            t0 = time.perf_counter()
-            engine.save_checkpoint(ours_dir + "o", tag="t")
-            stall = time.perf_counter() - t0
-            cp.checkpointer().wait()
-            commit = time.perf_counter() - t0
+        def ours_save(path: str, overlap: bool) -> None:
+            hooks.overlap = hooks.async_save = overlap
+            engine.save_checkpoint(path, tag="t")
             hooks.overlap = hooks.async_save = False
-            if rep:
-                rec["ours_overlap_stall"].append(slowest(stall))
-                rec["ours_overlap_commit"].append(slowest(commit))
-            ds_step(engine, rep + 1)  # the state moves on: each load must bring the saved one back
-            for name, load, path in (("native_load", lambda p: native_load(p, "t"), native_dir),
-                                     ("ours_load", lambda p: engine.load_checkpoint(p, "t"), ours_dir)):
-                cold(path)
-                t = timed(lambda: load(path))
-                if rep:
-                    rec[name].append(t)
-                assert same(saved, ds_local_state(engine)), f"ZeRO-{stage} {name}: not the saved state"
-                ds_step(engine, 100 + rep)
-            engine.load_checkpoint(ours_dir, "t")  # the saved state again, for the next saves
-            dist.barrier()
-            if rank == 0:
-                for d in (native_dir, ours_dir, ours_dir + "o"):
-                    shutil.rmtree(d, ignore_errors=True)
-            dist.barrier()
-        results[f"ZeRO-{stage}"] = {k: statistics.median(v) for k, v in rec.items()}
+
+        ds_step(engine, 0)
+        side = Side(native_save=lambda p: type(engine).save_checkpoint(engine, p, tag="t"), ours_save=ours_save,
+                    native_load=lambda p: hooks.native_load(p, "t"), ours_load=lambda p: engine.load_checkpoint(p, "t"),
+                    step=lambda seed: ds_step(engine, seed), state=lambda: ds_local_state(engine),
+                    checkpoint=lambda p: os.path.join(p, "t"))
+        results[f"ZeRO-{stage}"] = measure(side, args, root, f"ZeRO-{stage}")
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -298,61 +358,37 @@ def megatron_local_state(model, opt) -> dict:
 
 def megatron_worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> None:
     start(rank, world, port)
-    import ckpt_plugins as cp
     results = {}
     for tp in args.tp:
         margs, model, opt, sched = megatron_job(args.params_m, tp, root)
         from megatron.training import checkpointing  # (once megatron_job installed the CPU shim)
-        megatron_step(model, opt, sched, margs, 0)
-        saved = megatron_local_state(model, opt)
-        rec = {k: [] for k in ("native_save", "ours_sync", "ours_overlap_stall", "ours_overlap_commit",
-                                "native_load", "ours_load")}
 
-        def timed(fn) -> float:
-            dist.barrier()
-            t = time.perf_counter()
-            fn()
-            return slowest(time.perf_counter() - t)
+        def ours_save(path: str, overlap: bool) -> None:
+            margs.ckpt_backend, margs.save, margs.ckpt_overlap = "bytecheckpoint", path, overlap
+            checkpointing.save_checkpoint(1, [model], opt, sched, 0.0, checkpointing_context={})
 
-        def save(backend: str, path: str, overlap: bool = False) -> None:
-            margs.ckpt_backend, margs.save, margs.ckpt_overlap = backend, path, overlap
+        def native_save(path: str) -> None:
+            margs.ckpt_backend, margs.save = "native", path
             checkpointing.save_checkpoint(1, [model], opt, sched, 0.0, checkpointing_context={})
 
         def load(backend: str, path: str) -> None:
             margs.ckpt_backend, margs.load = backend, path
             checkpointing.load_checkpoint([model], opt, sched, checkpointing_context={})
 
-        for rep in range(args.reps + 1):  # the first of each is unmeasured (one-time costs)
-            native_dir = os.path.join(root, f"tp{tp}-native{rep % 2}")
-            ours_dir, overlap_dir = os.path.join(root, f"tp{tp}-ours{rep % 2}"), os.path.join(root, f"tp{tp}-overlap")
-            measured = {"native_save": timed(lambda: (save("native", native_dir), fsync_tree(native_dir))),
-                        "ours_sync": timed(lambda: save("bytecheckpoint", ours_dir))}
-            dist.barrier()
-            t0 = time.perf_counter()
-            save("bytecheckpoint", overlap_dir, overlap=True)
-            stall = time.perf_counter() - t0
-            cp.checkpointer().wait()
-            measured.update(ours_overlap_stall=slowest(stall), ours_overlap_commit=slowest(time.perf_counter() - t0))
-            megatron_step(model, opt, sched, margs, rep + 1)  # the state moves on: each load brings it back
-            for name, backend, path in (("native_load", "native", native_dir), ("ours_load", "bytecheckpoint", ours_dir)):
-                cold(path)
-                measured[name] = timed(lambda: load(backend, path))
-                got = megatron_local_state(model, opt)
-                # Megatron's own load leaves the Adam step counts as they were on the torch-AdamW path
-                # (an upstream bug without TE/Apex: see tests/megatron_shim.py): not checked for it
-                bad = [k for k in saved if not (name == "native_load" and k.endswith("/step"))
-                       and (k not in got or not torch.equal(saved[k], got[k]))]
-                assert not bad, (f"TP{tp} {name}: not the saved state", [(k, saved[k], got.get(k)) for k in bad][:3])
-                megatron_step(model, opt, sched, margs, 100 + rep)
-            load("bytecheckpoint", ours_dir)  # the saved state again, for the next saves
-            if rep:
-                for k, v in measured.items():
-                    rec[k].append(v)
-        results[f"DP{world // tp} x TP{tp}" if tp > 1 else f"DP{world}"] = {k: statistics.median(v) for k, v in rec.items()}
-        if tp == 1 and rank == 0:  # kept for the resharded loads, with the weights they must give
+        megatron_step(model, opt, sched, margs, 0)
+        side = Side(native_save=native_save, ours_save=ours_save, native_load=lambda p: load("native", p),
+                    ours_load=lambda p: load("bytecheckpoint", p),
+                    step=lambda seed: megatron_step(model, opt, sched, margs, seed),
+                    state=lambda: megatron_local_state(model, opt),
+                    checkpoint=lambda p: os.path.join(p, "iter_0000001"))
+        args.keep_last = tp == 1 and not args.tiny  # for the resharded loads
+        # Megatron's own load leaves the Adam step counts as they were on the torch-AdamW path (an
+        # upstream bug without TE/Apex: see tests/megatron_shim.py): not checked for it
+        layout = f"TP{tp}" if tp > 1 else f"DP{world}"
+        results[layout] = measure(side, args, os.path.join(root, layout), layout,
+                                  skip_native=lambda key: key.endswith("/step"))
+        if args.keep_last and rank == 0:  # with the weights the resharded loads must give
             torch.save([p.detach().clone() for p in model.parameters()], os.path.join(root, "weights.pt"))
-            for name in ("native", "ours"):
-                os.rename(os.path.join(root, f"tp1-{name}{args.reps % 2}"), os.path.join(root, f"resharded-{name}"))
         from megatron.core import parallel_state
         parallel_state.destroy_model_parallel()
         dist.barrier()
@@ -371,7 +407,7 @@ def megatron_resharded_worker(rank: int, world: int, port: int, args, root: str,
     weights = torch.load(os.path.join(root, "weights.pt"))
     results = {}
     for name, backend in (("native_load", "native"), ("ours_load", "bytecheckpoint")):
-        path = os.path.join(root, f"resharded-{name.split('_')[0]}")
+        path = os.path.join(root, "DP2", f"{name.split('_')[0]}{args.reps}")
         margs.ckpt_backend, margs.load = backend, path
         drop_cache(path)
         t = time.perf_counter()
@@ -396,18 +432,21 @@ def run(worker, args, root: str, world: int = 2) -> dict:
 
 
 def report(framework: str, results: dict) -> None:
-    print(f"\n{framework}: seconds (medians); ours / native")
-    print(f"{'layout':10} {'native save':>12} {'ours sync':>10} {'overlap stall':>14} {'overlap commit':>15} "
-          f"{'native load':>12} {'ours load':>10}   ratios")
+    print(f"\n{framework}: seconds (medians); GiB stored; ratios ours / native, and ours / the machine's read limit")
+    print(f"{'layout':8} {'GiB n/o':>11} {'native save':>11} {'ours sync':>9} {'overlap stall':>13} "
+          f"{'overlap commit':>14} {'native load':>11} {'ours load':>9} {'read limit':>10}   ratios")
     for layout, r in results.items():
         if "native_save" not in r:  # a resharded load
-            print(f"{layout:10} {'':>12} {'':>10} {'':>14} {'':>15} {r['native_load']:12.3f} {r['ours_load']:10.3f}   "
-                  f"load {r['ours_load'] / r['native_load']:.2f}")
+            print(f"{layout:8} {'':>11} {'':>11} {'':>9} {'':>13} {'':>14} {r['native_load']:11.3f} {r['ours_load']:9.3f} "
+                  f"{'':>10}   load {r['ours_load'] / r['native_load']:.2f}")
             continue
         ratios = (f"sync {r['ours_sync'] / r['native_save']:.2f}, stall {r['ours_overlap_stall'] / r['native_save']:.3f}, "
-                  f"commit {r['ours_overlap_commit'] / r['native_save']:.2f}, load {r['ours_load'] / r['native_load']:.2f}")
-        print(f"{layout:10} {r['native_save']:12.3f} {r['ours_sync']:10.3f} {r['ours_overlap_stall']:14.4f} "
-              f"{r['ours_overlap_commit']:15.3f} {r['native_load']:12.3f} {r['ours_load']:10.3f}   {ratios}")
+                  f"commit {r['ours_overlap_commit'] / r['native_save']:.2f}, load {r['ours_load'] / r['native_load']:.2f}"
+                  f" / limit {r['ours_load'] / r['read_limit']:.2f}")
+        gib = f"{r['native_bytes'] / 2**30:.2f}/{r['ours_bytes'] / 2**30:.2f}"
+        print(f"{layout:8} {gib:>11} {r['native_save']:11.3f} {r['ours_sync']:9.3f} {r['ours_overlap_stall']:13.4f} "
+              f"{r['ours_overlap_commit']:14.3f} {r['native_load']:11.3f} {r['ours_load']:9.3f} {r['read_limit']:10.3f}   "
+              f"{ratios}")
 
 
 def main() -> None:
