@@ -10,16 +10,18 @@ do: both sides are timed to a durable checkpoint).
 Megatron-core: a GPTModel with the distributed optimizer (bf16, fp32 masters) on 2 processes, DP2
 and TP2, through `megatron.training.checkpointing.save_checkpoint` / `load_checkpoint` with
 `--ckpt-backend bytecheckpoint` (ours: sync, and overlapped with `--ckpt-overlap`) and Megatron's
-own torch_dist (sync, and `--async-save`); resharded loads DP2 -> DP1. Megatron calls CUDA where
-a GPU run would: the tests' CPU shim (`tests/megatron_shim.py`) redirects those calls, here as in
-the tests; DeepSpeed needs no shim (its CPU accelerator), only its shared-memory op left unbuilt.
+own torch_dist (sync, and `--async-save` with its persistent worker, finalized as its train loop
+does); resharded loads DP2 -> DP1. Megatron calls CUDA where a GPU run would: the tests' CPU shim
+(`tests/megatron_shim.py`) redirects those calls, here as in the tests, and in `--async-save`'s
+worker process through a sitecustomize the bench writes. DeepSpeed needs no shim (its CPU
+accelerator), only its shared-memory op left unbuilt.
 
 Measured per method: the stall (how long the save call blocks), the time to a committed durable
 checkpoint, same-layout loads (page cache dropped) and resharded loads where the framework can
-do one, medians of `--reps`; every load is checked bit for bit against the state saved (but
-Megatron's own load's Adam step counts, which it leaves as they were on the torch-AdamW path
-without TE/Apex, an upstream bug), and every checkpoint deleted after use. `--tiny` measures the fixed cost instead: a 0.1M-parameter model,
-medians of many saves and loads (page cache kept).
+do one, medians of `--reps`. Every load is checked bit for bit against the state saved (but for
+Megatron's own load the Adam step counts, which it leaves as they were on the torch-AdamW path
+without TE/Apex, an upstream bug), and every checkpoint is deleted after use. `--tiny` measures
+the fixed cost instead: a 0.1M-parameter model, medians of 15 saves and loads (page cache kept).
 
 Run: .venv/bin/python bench/native.py                       (both frameworks, about 20 minutes)
      .venv/bin/python bench/native.py --framework deepspeed --params-m 20 --reps 1   (a smoke run)
@@ -172,10 +174,11 @@ def read_limit(root: str, nbytes: int) -> float:
 class Side:
     """One framework's save and load calls, both ways, on one live job."""
 
-    def __init__(self, native_save, ours_save, native_load, ours_load, step, state, checkpoint):
+    def __init__(self, native_save, ours_save, native_load, ours_load, step, state, checkpoint, native_async=None):
         self.native_save, self.ours_save, self.native_load, self.ours_load = native_save, ours_save, native_load, ours_load
         self.step, self.state = step, state  # state(): this rank's saved tensors, for the bit-for-bit check
         self.checkpoint = checkpoint  # checkpoint(save_dir): the checkpoint a save into save_dir wrote
+        self.native_async = native_async  # native_async(save_dir) -> (stall, commit), where the framework has one
 
 
 def measure(side: Side, args, root: str, what: str, skip_native=lambda key: False) -> dict:
@@ -206,6 +209,14 @@ def measure(side: Side, args, root: str, what: str, skip_native=lambda key: Fals
         stall = time.perf_counter() - t0
         cp.checkpointer().wait()
         measured.update(ours_overlap_stall=slowest(stall), ours_overlap_commit=slowest(time.perf_counter() - t0))
+        if side.native_async is not None:
+            async_dir = os.path.join(root, f"async{rep}")
+            dist.barrier()
+            stall, commit = side.native_async(async_dir)
+            measured.update(native_async_stall=slowest(stall), native_async_commit=slowest(commit))
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(async_dir, ignore_errors=True)
         side.step(rep + 1)  # the state moves on: each load must bring the saved one back
         loads = [("native_load", side.native_load, native_dir), ("ours_load", side.ours_load, ours_dir)]
         for name, load, path in loads[::1 if rep % 2 else -1]:
@@ -278,7 +289,8 @@ def gpt_arguments(params_m: float) -> list:
             "--use-cpu-initialization --hidden-dropout 0 --attention-dropout 0 --no-bias-dropout-fusion "
             "--no-bias-swiglu-fusion --no-rope-fusion --no-masked-softmax-fusion --no-gradient-accumulation-fusion "
             "--no-persist-layer-norm --train-iters 1000 --lr-decay-iters 1000 --distributed-backend gloo "
-            "--ckpt-format torch_dist --ckpt-backend bytecheckpoint --save-interval 1000").split()
+            "--ckpt-format torch_dist --ckpt-backend bytecheckpoint --save-interval 1000 "
+            "--async-save --use-persistent-ckpt-worker --async-strategy mcore").split()
 
 
 def megatron_job(params_m: float, tp: int, root: str):
@@ -324,6 +336,10 @@ def megatron_job(params_m: float, tp: int, root: str):
     opt_config, overrides = get_megatron_optimizer_config(args)
     opt = get_megatron_optimizer(opt_config, [model], config_overrides=overrides)
     config.no_sync_func, config.finalize_model_grads_func = model.no_sync, finalize_model_grads
+    from megatron.training import async_utils
+    if async_utils._async_calls_queue is None:  # --async-save's worker, as Megatron's initialize starts it
+        async_utils.init_persistent_async_worker(dist.get_rank(), "forkserver")
+    args.async_save = False  # per save, below
     return args, model, opt, get_optimizer_param_scheduler(opt)
 
 
@@ -356,6 +372,13 @@ def megatron_local_state(model, opt) -> dict:
     return out
 
 
+def megatron_done(margs) -> None:
+    """Stop --async-save's worker process, else this process cannot exit."""
+    from megatron.training.async_utils import maybe_finalize_async_save
+    margs.async_save = True  # (Megatron skips it otherwise)
+    maybe_finalize_async_save(blocking=True, terminate=True)
+
+
 def megatron_worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> None:
     start(rank, world, port)
     results = {}
@@ -363,13 +386,26 @@ def megatron_worker(rank: int, world: int, port: int, args, root: str, out_path:
         margs, model, opt, sched = megatron_job(args.params_m, tp, root)
         from megatron.training import checkpointing  # (once megatron_job installed the CPU shim)
 
+        from megatron.training.async_utils import maybe_finalize_async_save
+
         def ours_save(path: str, overlap: bool) -> None:
-            margs.ckpt_backend, margs.save, margs.ckpt_overlap = "bytecheckpoint", path, overlap
+            margs.ckpt_backend, margs.save, margs.ckpt_overlap, margs.async_save = "bytecheckpoint", path, overlap, False
             checkpointing.save_checkpoint(1, [model], opt, sched, 0.0, checkpointing_context={})
 
         def native_save(path: str) -> None:
-            margs.ckpt_backend, margs.save = "native", path
+            margs.ckpt_backend, margs.save, margs.async_save = "native", path, False
             checkpointing.save_checkpoint(1, [model], opt, sched, 0.0, checkpointing_context={})
+
+        def native_async(path: str) -> tuple:
+            """--async-save: the call, then Megatron's own finalization (its train loop's), fsynced."""
+            margs.ckpt_backend, margs.save, margs.async_save = "native", path, True
+            t = time.perf_counter()
+            checkpointing.save_checkpoint(1, [model], opt, sched, 0.0, checkpointing_context={})
+            stall = time.perf_counter() - t
+            maybe_finalize_async_save(blocking=True)
+            fsync_tree(path)
+            margs.async_save = False
+            return stall, time.perf_counter() - t
 
         def load(backend: str, path: str) -> None:
             margs.ckpt_backend, margs.load = backend, path
@@ -380,7 +416,7 @@ def megatron_worker(rank: int, world: int, port: int, args, root: str, out_path:
                     ours_load=lambda p: load("bytecheckpoint", p),
                     step=lambda seed: megatron_step(model, opt, sched, margs, seed),
                     state=lambda: megatron_local_state(model, opt),
-                    checkpoint=lambda p: os.path.join(p, "iter_0000001"))
+                    checkpoint=lambda p: os.path.join(p, "iter_0000001"), native_async=native_async)
         args.keep_last = tp == 1 and not args.tiny  # for the resharded loads
         # Megatron's own load leaves the Adam step counts as they were on the torch-AdamW path (an
         # upstream bug without TE/Apex: see tests/megatron_shim.py): not checked for it
@@ -392,6 +428,7 @@ def megatron_worker(rank: int, world: int, port: int, args, root: str, out_path:
         from megatron.core import parallel_state
         parallel_state.destroy_model_parallel()
         dist.barrier()
+    megatron_done(margs)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -415,6 +452,7 @@ def megatron_resharded_worker(rank: int, world: int, port: int, args, root: str,
         results[name] = time.perf_counter() - t
         assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters())), f"DP2 -> DP1 {name}: weights"
         megatron_step(model, opt, sched, margs, 8)
+    megatron_done(margs)
     with open(out_path, "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
@@ -440,9 +478,14 @@ def report(framework: str, results: dict) -> None:
             print(f"{layout:8} {'':>11} {'':>11} {'':>9} {'':>13} {'':>14} {r['native_load']:11.3f} {r['ours_load']:9.3f} "
                   f"{'':>10}   load {r['ours_load'] / r['native_load']:.2f}")
             continue
-        ratios = (f"sync {r['ours_sync'] / r['native_save']:.2f}, stall {r['ours_overlap_stall'] / r['native_save']:.3f}, "
-                  f"commit {r['ours_overlap_commit'] / r['native_save']:.2f}, load {r['ours_load'] / r['native_load']:.2f}"
-                  f" / limit {r['ours_load'] / r['read_limit']:.2f}")
+        # the overlapped stall against native's asynchronous one where it has one, else its save
+        against = r.get("native_async_stall", r["native_save"])
+        ratios = (f"sync {r['ours_sync'] / r['native_save']:.2f}, stall {r['ours_overlap_stall'] / against:.3f}, "
+                  f"commit {r['ours_overlap_commit'] / r.get('native_async_commit', r['native_save']):.2f}, "
+                  f"load {r['ours_load'] / r['native_load']:.2f} / limit {r['ours_load'] / r['read_limit']:.2f}")
+        if "native_async_stall" in r:
+            ratios += (f"; native --async-save: stall {r['native_async_stall']:.3f}, "
+                       f"commit {r['native_async_commit']:.3f}")
         gib = f"{r['native_bytes'] / 2**30:.2f}/{r['ours_bytes'] / 2**30:.2f}"
         print(f"{layout:8} {gib:>11} {r['native_save']:11.3f} {r['ours_sync']:9.3f} {r['ours_overlap_stall']:13.4f} "
               f"{r['ours_overlap_commit']:14.3f} {r['native_load']:11.3f} {r['ours_load']:9.3f} {r['read_limit']:10.3f}   "
@@ -470,6 +513,14 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     if args.framework in ("megatron", "all"):
         root = tempfile.mkdtemp(prefix="bench_native_", dir=args.dir)
+        # --async-save writes in a forkserver process, which imports megatron before any code of
+        # ours runs: a sitecustomize on its PYTHONPATH installs the CPU shim there first
+        site = os.path.join(root, "site")
+        os.makedirs(site)
+        with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+            f.write("import megatron_shim\nmegatron_shim.install()\n")
+        tests = os.path.join(os.path.dirname(HERE), "tests")
+        os.environ["PYTHONPATH"] = os.pathsep.join([site, tests] + os.environ.get("PYTHONPATH", "").split(os.pathsep))
         try:
             results = run(megatron_worker, args, root)
             if not args.tiny:
