@@ -55,13 +55,6 @@ def eval_loss(model, device):
     return loss
 
 
-def newest_checkpoint(ckpt_dir):
-    """The highest step with a committed checkpoint in ckpt_dir (an interrupted save has none)."""
-    steps = [int(name[len("step_"):]) for name in os.listdir(ckpt_dir) if name.startswith("step_")
-             and name[len("step_"):].isdigit() and cp.is_checkpoint(os.path.join(ckpt_dir, name))]
-    return max(steps, default=None)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt-dir", required=True)
@@ -82,9 +75,10 @@ def main():
     # --8<-- [end:switch]
 
     os.makedirs(args.ckpt_dir, exist_ok=True)
-    newest = newest_checkpoint(args.ckpt_dir)
+    runs = cp.CheckpointManager(args.ckpt_dir)  # its step_N directories; only committed ones count
+    newest = runs.latest()
     if newest is not None:
-        accelerator.load_state(os.path.join(args.ckpt_dir, f"step_{newest}"))
+        accelerator.load_state(runs.path(newest))
         loss = eval_loss(model, accelerator.device)
         accelerator.print(f"resumed at step {progress.step} on {accelerator.num_processes} processes", flush=True)
         accelerator.print(f"eval loss {loss!r}", flush=True)
@@ -102,7 +96,7 @@ def main():
 
     loss = eval_loss(model, accelerator.device)
     accelerator.print(f"eval loss {loss!r}", flush=True)
-    accelerator.save_state(os.path.join(args.ckpt_dir, f"step_{progress.step}"))
+    accelerator.save_state(runs.path(progress.step))
     accelerator.print(f"saved step {progress.step}", flush=True)
     accelerator.end_training()
 

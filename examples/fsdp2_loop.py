@@ -73,13 +73,6 @@ def eval_loss(model, device):
     return loss
 
 
-def newest_checkpoint(ckpt_dir):
-    """The highest step with a committed checkpoint in ckpt_dir (an interrupted save has none)."""
-    steps = [int(name[len("step_"):]) for name in os.listdir(ckpt_dir) if name.startswith("step_")
-             and name[len("step_"):].isdigit() and cp.is_checkpoint(os.path.join(ckpt_dir, name))]
-    return max(steps, default=None)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt-dir", required=True)
@@ -106,9 +99,10 @@ def main():
     # the whole training state, as live objects: cp.load fills them in place
     state = {"model": model, "optim": opt, "extra": {"step": 0}}
     os.makedirs(args.ckpt_dir, exist_ok=True)
-    newest = newest_checkpoint(args.ckpt_dir)
+    runs = cp.CheckpointManager(args.ckpt_dir)  # its step_N directories; only committed ones count
+    newest = runs.latest()
     if newest is not None:
-        cp.load(os.path.join(args.ckpt_dir, f"step_{newest}"), state)
+        cp.load(runs.path(newest), state)
         loss = eval_loss(model, device)
         if rank == 0:
             print(f"resumed at step {state['extra']['step']} on {world} processes", flush=True)
@@ -132,7 +126,7 @@ def main():
         print(f"eval loss {loss!r}", flush=True)
     step = state["extra"]["step"]
     # --8<-- [start:save]
-    cp.save(os.path.join(args.ckpt_dir, f"step_{step}"), state, step=step)
+    cp.save(runs.path(step), state, step=step)
     # --8<-- [end:save]
     if rank == 0:
         print(f"saved step {step}", flush=True)
