@@ -129,7 +129,7 @@ class Hooks:
             result = self.checkpointer.save_async(path, self.state(client_state), overlap=self.overlap, **options)
             # ZeRO's forward and backward leave what is saved alone (stage 3 gathers into other
             # memory than its partitions); its step changes it
-            self.gate.hold(result, *[o for o in (engine.optimizer,) if o is not None])
+            self.gate.hold(result, engine.optimizer)
         else:
             result = self.checkpointer.save(path, self.state(client_state), **options)
         if engine._optimizer_has_ckpt_event_epilogue():

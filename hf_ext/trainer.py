@@ -145,7 +145,7 @@ class _Integration:
         if self.async_save:
             result = self.ckpt().save_async(output_dir, self.saved_state(), overlap=self.overlap, **options)
             self.pending = result
-            self.gate.hold(result, *[o for o in (t.optimizer,) if o is not None])
+            self.gate.hold(result, t.optimizer)
         else:
             result = self.ckpt().save(output_dir, self.saved_state(), **options)
             self.log_save(result)

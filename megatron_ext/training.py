@@ -153,7 +153,7 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
         result = cp.save_async(path, state, overlap=overlap, **options)
         # the forward and backward leave the saved tensors alone (train() finishes the distributed
         # optimizer's overlapped parameter all-gather before it saves); the step changes them
-        _gate.hold(result, *[o for o in (optimizer,) if o is not None])
+        _gate.hold(result, optimizer)
     else:
         result = cp.save(path, state, **options)
     _logged(result)

@@ -21,10 +21,11 @@ class StepGate:
 
     def hold(self, handle: SaveHandle, *optimizers) -> None:
         """The next `step` of each of `optimizers` (objects with a `step` method: torch's, DeepSpeed's,
-        Megatron's, accelerate's wrappers) waits for `handle`'s snapshot. Wraps each once."""
+        Megatron's, accelerate's wrappers; None, a job without one, is skipped) waits for `handle`'s
+        snapshot. Wraps each once."""
         self._pending = handle
         for optimizer in optimizers:
-            if getattr(optimizer, "_ckpt_plugins_gate", None) is self:
+            if optimizer is None or getattr(optimizer, "_ckpt_plugins_gate", None) is self:
                 continue
             native = optimizer.step
 
