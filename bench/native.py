@@ -34,7 +34,6 @@ import importlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -46,13 +45,8 @@ import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from save_load import drop_cache  # noqa: E402  (the bench's own helpers)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from memory_tier import free_port, slowest  # noqa: E402  (the bench's own helpers)
+from save_load import Limits, drop_cache  # noqa: E402
 
 
 def start(rank: int, world: int, port: int) -> None:
@@ -60,13 +54,6 @@ def start(rank: int, world: int, port: int) -> None:
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
-def slowest(seconds: float) -> float:
-    """The slowest rank's seconds (every rank calls it)."""
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def fsync_tree(path: str) -> None:
@@ -137,38 +124,13 @@ def ds_local_state(engine) -> dict:
     return out
 
 
-def same(a: dict, b: dict) -> bool:
-    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def read_limit(root: str, nbytes: int) -> float:
     """The machine's cold read speed for loads, in bytes/s over every rank at once: each rank reads
-    a file of its own the loader's way (its read threads, its piece size, O_DIRECT)."""
-    import inspect
-    from concurrent.futures import ThreadPoolExecutor
-    import ckpt_plugins as cp
+    a file of its own the loader's way (`save_load.Limits`)."""
     from ckpt_plugins._src.engine.exchange import READ_PIECE
-    threads = inspect.signature(cp.Checkpointer).parameters["read_threads"].default
-    size = max(READ_PIECE, min(nbytes, 512 << 20) // READ_PIECE * READ_PIECE)
-    raw = torch.empty(size + 8192, dtype=torch.uint8)
-    off = (-raw.data_ptr()) % 4096
-    buf = memoryview(raw[off:off + size].fill_(7).numpy())
-    path = os.path.join(root, f"limit{dist.get_rank()}.bin")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
-    for i in range(0, size, READ_PIECE):
-        os.write(fd, buf[i:i + READ_PIECE])
-    os.fsync(fd)
-    os.close(fd)
-    drop_cache(path)
-    dist.barrier()
-    t = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda i: os.preadv(fd, [buf[i:i + READ_PIECE]], i), range(0, size, READ_PIECE)))
-    os.close(fd)
-    seconds = slowest(time.perf_counter() - t)
-    os.remove(path)
-    return size * dist.get_world_size() / seconds
+    limits = Limits(root, max(READ_PIECE, min(nbytes, 256 << 20)))
+    limits.write()
+    return len(limits.aligned) * dist.get_world_size() / slowest(limits.read()[0])
 
 
 class Side:
