@@ -8,6 +8,7 @@ from importlib.metadata import entry_points
 from typing import List
 
 from ._src.committed import check_files, read_metadata
+from ._src.diff import diff
 from ._src.engine.read import read_checked
 from ._src.errors import CheckpointError, IncompleteCheckpointError
 from ._src.format import Metadata
@@ -103,6 +104,12 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_diff(args) -> int:
+    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, keys=args.keys)
+    print(json.dumps(report.to_dict(), indent=1) if args.json else "\n".join(report.lines()))
+    return 0 if report.equal else 1
+
+
 def cmd_list(args) -> int:
     from ._src.manager import CheckpointManager
     manager = CheckpointManager(args.root, prefix=args.prefix)
@@ -175,6 +182,15 @@ def main(argv=None) -> int:
     p = sub.add_parser("verify", help="check every checksum; exit 1 on any mismatch")
     p.add_argument("path")
     p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("diff", help="compare two checkpoints of any formats and layouts key by key; exit 1 if "
+                                    "they differ")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit for bit)")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    p.add_argument("--keys", help="compare only keys matching this glob, e.g. 'model/*experts*'")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_diff)
     for name, func, text in (("list", cmd_list, "committed steps under a run's root, the latest, and incomplete ones"),
                              ("cleanup", cmd_cleanup, "remove step directories whose save never committed "
                                                       "(not those a live save is writing)")):

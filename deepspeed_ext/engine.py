@@ -83,6 +83,7 @@ class Hooks:
         self.engine = engine
         self.overlap = bool(options.get("overlap", False))
         self.async_save = self.overlap or bool(options.get("async", False))
+        self.verify = bool(options.get("verify", False))
         self.gate = StepGate()  # an overlapped save's snapshot runs until the optimizer's next step
         self.native_load, self.native_step = engine.load_checkpoint, engine.step
         self.checkpointer = cp.checkpointer()
@@ -179,7 +180,7 @@ class Hooks:
                 log.warning("%s (%s) holds no %s: left as they are", path, fmt, ", ".join(absent))
         if engine._optimizer_has_ckpt_event_prologue():  # as DeepSpeed's own load: ZeRO-3 partitions first
             engine.optimizer.checkpoint_event_prologue()
-        result = self.checkpointer.load(path, {**state, **ignored}, strict=load_module_strict)
+        result = self.checkpointer.load(path, {**state, **ignored}, strict=load_module_strict, verify=self.verify)
         if result.missing_keys and not load_module_strict:
             log.warning("%s: %d key(s) not in the checkpoint were left as they were: %s", path,
                         len(result.missing_keys), ", ".join(result.missing_keys[:5]))

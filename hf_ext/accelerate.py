@@ -132,9 +132,10 @@ def _logged(accelerator, result):
 
 
 def load_state(accelerator, path, *, strict: bool = True, extra: Optional[Dict[str, Any]] = None,
-               models: Optional[list] = None) -> cp.LoadResult:
+               models: Optional[list] = None, verify: bool = False) -> cp.LoadResult:
     """Restore what `accelerator` tracks, and the entries of `extra`, from `path`, resharding to the
-    current processes. (The HF config saved beside the weights is not needed to resume.)"""
+    current processes. (The HF config saved beside the weights is not needed to resume.) `verify`:
+    then prove the live state holds what was loaded (`ckpt_plugins.load(verify=True)`)."""
     state = {**accelerator_state(accelerator, models=models), **(extra or {}), HF_CONFIG: cp.Ignore()}
     loaders = {k: v for k, v in state.items() if k.startswith("dataloader_")}
     for key in loaders:
@@ -146,7 +147,7 @@ def load_state(accelerator, path, *, strict: bool = True, extra: Optional[Dict[s
         state, absent = fit_state(state, cp.read_metadata(path))
         if absent:
             log.warning("%s (a DCP checkpoint) holds no %s: left as they are", path, ", ".join(absent))
-    result = cp.load(path, state, strict=strict)
+    result = cp.load(path, state, strict=strict, verify=verify)
     for i, loader in enumerate(accelerator._dataloaders):
         value = state.get(f"dataloader_{i}")
         if value is not None and value.value is not None:
@@ -216,9 +217,10 @@ def _handled_models(accelerator, hooks, path: str, load: bool = False) -> List:
     return [accelerator._models[i] for i, w in enumerate(given) if any(w is kept for kept in weights)]
 
 
-def enable(accelerator, *, async_save: bool = False):
+def enable(accelerator, *, async_save: bool = False, verify: bool = False):
     """Make `accelerator.save_state`/`load_state` save and load through ckpt_plugins, keeping
-    accelerate's folders, hooks and counters (see the module docstring). Returns the accelerator."""
+    accelerate's folders, hooks and counters (see the module docstring). Returns the accelerator.
+    `verify`: every `load_state` then proves the live state holds what was loaded."""
     require_version("accelerate", "accelerate", ACCELERATE, "hf_ext.accelerate")
     from accelerate.utils import DistributedType
 
@@ -240,7 +242,7 @@ def enable(accelerator, *, async_save: bool = False):
         if accelerator.distributed_type in native_types or cp.checkpoint_format(path) not in (FORMAT_NAME, DCP):
             return native_load(path, load_kwargs, **kwargs)
         models = _handled_models(accelerator, accelerator._load_model_state_pre_hook, path, load=True)
-        load_state(accelerator, path, models=models)
+        load_state(accelerator, path, models=models, verify=verify)
 
     accelerator.save_state, accelerator.load_state = save, load
     accelerator._ckpt_plugins = True

@@ -95,6 +95,7 @@ class _Integration:
         self.warmed = False
         self.data: Optional[TrainerData] = None  # the training data's position, once the Trainer built its sampler
         self.init_from: Optional[str] = None
+        self.verify = False  # loads prove the live state holds what was loaded
 
     def ckpt(self) -> cp.Checkpointer:
         return self.checkpointer or cp.checkpointer()
@@ -271,7 +272,7 @@ class _Integration:
         # position was loaded with the training state (or does not apply)
         state = {**self.state(with_training_state=True), "rng": cp.Ignore(), HF_CONFIG: cp.Ignore(),
                  "data": cp.Ignore()}
-        self.ckpt().load(checkpoint, state)
+        self.ckpt().load(checkpoint, state, verify=self.verify)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """The Trainer's own. `resume_from_checkpoint` at another framework's checkpoint (a DCP one,
@@ -300,7 +301,7 @@ class _Integration:
         state, absent = fit_state(state, cp.read_metadata(path))
         if absent:
             log.warning("%s (%s) holds no %s: starting it fresh", path, cp.checkpoint_format(path), ", ".join(absent))
-        self.ckpt().load(path, state)
+        self.ckpt().load(path, state, verify=self.verify)
 
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
         if not is_ckpt_plugins_checkpoint(checkpoint):
@@ -318,7 +319,7 @@ class _Integration:
         if not is_ckpt_plugins_checkpoint(best):
             return self.native["_load_best_model"]()
         rest = {k: cp.Ignore() for k in ("optim", "sched", "scaler", "rng", "data", HF_CONFIG)}
-        self.ckpt().load(best, {"model": self.trainer.model, **rest})
+        self.ckpt().load(best, {"model": self.trainer.model, **rest}, verify=self.verify)
 
     def on_train_end(self) -> None:
         self.finish_pending()
@@ -365,7 +366,7 @@ _NO_OPS = ("_save_optimizer_and_scheduler", "_save_rng_state", "_save_scaler")
 
 def enable(trainer, *, async_save: bool = False, overlap: bool = False, checkpointer: Optional[cp.Checkpointer] = None,
            peft_base: Optional[str] = None, adapters_only: bool = True, hf_weights: bool = True,
-           on_data_change: str = "warn", init_from: Optional[str] = None):
+           on_data_change: str = "warn", init_from: Optional[str] = None, verify: bool = False):
     """Make `trainer` save and resume through ckpt_plugins (see the module docstring). Returns it.
 
     `async_save`: saves return once their snapshot is taken; `overlap`: at once, the optimizer's next
@@ -373,13 +374,16 @@ def enable(trainer, *, async_save: bool = False, overlap: bool = False, checkpoi
     (from_pretrained reads it).
     `on_data_change`: "warn" (the Trainer's own fast-forward) or "error" when a resume finds the
     training data changed since its checkpoint. `init_from`: a checkpoint a run that does not
-    resume starts from (HF safetensors, PyTorch DCP, ours): its model and any optimizer state."""
+    resume starts from (HF safetensors, PyTorch DCP, ours): its model and any optimizer state.
+    `verify`: every load then proves the live model and optimizer hold what was loaded
+    (`ckpt_plugins.load(verify=True)`)."""
     require_version("transformers", "transformers", TRANSFORMERS, "hf_ext.trainer")
     from transformers import TrainerCallback
 
     integration = _Integration(trainer, async_save, overlap, checkpointer, peft_base, adapters_only, hf_weights,
                                on_data_change)
     integration.init_from = None if init_from is None else str(init_from)
+    integration.verify = verify
     for name in _HOOKS:
         integration.native[name] = getattr(trainer, name)
         setattr(trainer, name, getattr(integration, name))

@@ -56,6 +56,9 @@ def add_arguments(parser):
     group.add_argument("--ckpt-overlap", action="store_true",
                        help="with --ckpt-backend bytecheckpoint: a save returns at once (asynchronous), its snapshot "
                             "runs beside the next forward and backward, and the next optimizer step waits for it")
+    group.add_argument("--ckpt-verify", action="store_true",
+                       help="with --ckpt-backend bytecheckpoint: a load then proves the live model and optimizer hold "
+                            "what was loaded (ckpt_plugins.load(verify=True))")
     return parser
 
 
@@ -296,7 +299,7 @@ def load(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: 
     if full and not args.no_load_rng and "rng" in stored:
         state["rng"], state["rng_tracker"] = cp.RNGState(), TrackerRNG()
     state.update({k: cp.Ignore() for k in stored if k not in state})
-    cp.load(path, state, strict=strict)
+    cp.load(path, state, strict=strict, verify=bool(getattr(args, "ckpt_verify", False)))
     if found is not None:
         memory_tier(args).settle(found)
     values = run.values

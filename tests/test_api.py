@@ -221,6 +221,28 @@ def test_an_optimizer_load_replaces_the_live_state_as_torch_does(tmp_path):
     assert all(torch.equal(fresh.state_dict()["state"][k][n], trained[k][n]) for k in trained for n in trained[k])
 
 
+def test_parameters_the_checkpoints_optimizer_never_had_are_missing_not_reset(tmp_path):
+    """A checkpoint whose optimizer left some parameters out (experts not saved, renamed
+    parameters) does not silently restart their moments from zero: a strict load names them."""
+    model, opt, sched = make(0)
+    train_step(model, opt, sched, 0)
+    kept = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+    without_norm = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.startswith("norm.")])
+    model(batch(1)).sum().backward()
+    without_norm.step()
+    cp.save(tmp_path / "c", {"model": model, "optim": without_norm})
+    with pytest.raises(cp.LoadMismatchError, match="keys missing from the checkpoint: optim/norm.bias/exp_avg, "
+                                                   "optim/norm.bias/exp_avg_sq, optim/norm.bias/step, optim/norm.weight"):
+        cp.load(tmp_path / "c", {"model": model, "optim": opt})
+    result = cp.load(tmp_path / "c", {"model": model, "optim": opt}, strict=False)
+    assert result.missing_keys == [f"optim/norm.{n}/{s}" for n in ("bias", "weight")
+                                   for s in ("exp_avg", "exp_avg_sq", "step")]
+    for name, p in model.named_parameters():  # the norm's moments kept, the others' loaded
+        live = opt.state[p]
+        assert all(torch.equal(live[k], (kept[name] if name.startswith("norm.") else without_norm.state[p])[k])
+                   for k in live)
+
+
 class Growing(nn.Module):
     """Holds a buffer whose length only a load knows: it resizes the buffer in its own
     `_load_from_state_dict`, as quantized and cache modules do."""

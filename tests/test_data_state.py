@@ -63,7 +63,7 @@ def ids_worker(rank, world, root, role, per_rank, workers):
             if step + 1 == SAVED_AT:
                 cp.save(f"{root}/ckpt", {"data": data})
     else:
-        cp.load(f"{root}/ckpt", {"data": data})
+        cp.load(f"{root}/ckpt", {"data": data}, verify=True)  # a position dealt anew is not compared
         assert data.epoch == 0
         out = global_batches(data)
         data.set_epoch(1)  # the next epoch is a whole one again

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import ckpt_plugins as cp
 from ckpt_plugins._src.fragment import packed_pieces, piece_fragments
-from ckpt_plugins._src.state import Handler, LoadItems, SaveItems
+from ckpt_plugins._src.state import Handler, LoadItems, SaveItems, root_handler
 from distributed import run_ranks
 
 SHAPES = {"emb": (11, 6), "w1": (6, 9), "w3": (3, 5, 4), "norm": (7,)}  # odd sizes: uneven shards
@@ -89,14 +89,17 @@ def save_worker(rank, world, spec, path, ref_path):
 def load_worker(rank, world, cases):
     for spec, path, ref_path in cases:
         model, opt = build(seed=2, mesh=mesh_for(world, spec), spec=spec)
-        cp.load(path, {"model": model, "optim": opt})
+        result = cp.load(path, {"model": model, "optim": opt}, verify=True)  # whatever the layout change
         assert_same(torch.load(ref_path), model, opt)
+        assert result.verified_bytes == sum(f.nbytes for f in root_handler({"model": model, "optim": opt})
+                                            .save_items("").fragments)
 
 
 def load_plain(path, ref_path):
     model, opt = build(seed=3)
-    result = cp.load(path, {"model": model, "optim": opt})
+    result = cp.load(path, {"model": model, "optim": opt}, verify=True)
     assert_same(torch.load(ref_path), model, opt)
+    assert result.verified_bytes == sum(t.numel() * t.element_size() for t in torch.load(ref_path).values())
     return result
 
 
@@ -176,7 +179,8 @@ def flat_save_worker(rank, world, ref_path, path):
 def flat_load_worker(rank, world, ref_path, path):
     expect = flat_from_full(torch.load(ref_path), rank, world)
     part = FlatPartition(rank, world)
-    cp.load(path, {"model": part}, strict=False)  # steps are not part of a flat partition
+    result = cp.load(path, {"model": part}, strict=False, verify=True)  # steps are not part of a flat partition
+    assert result.verified_bytes == sum(f.nbytes for f in part.save_items("model").fragments)
     for kind in part.buffers:
         assert torch.equal(part.buffers[kind], expect.buffers[kind]), kind
 

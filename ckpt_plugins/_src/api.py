@@ -12,10 +12,11 @@ import torch.distributed as dist
 
 from .checkpointer import Checkpointer
 from .committed import checkpoint_format, is_checkpoint, read_metadata
+from .diff import DiffReport, KeyDiff, diff
 from .results import LoadResult, SaveHandle, SaveInfo
 
 __all__ = ["save", "save_async", "load", "checkpointer", "Checkpointer", "SaveInfo", "SaveHandle", "LoadResult",
-           "read_metadata", "is_checkpoint", "checkpoint_format"]
+           "read_metadata", "is_checkpoint", "checkpoint_format", "diff", "DiffReport", "KeyDiff"]
 
 _checkpointers: Dict[Any, Checkpointer] = {}
 
@@ -56,6 +57,7 @@ def save_async(path, state: Dict[str, Any], *, process_group=None, overlap: bool
     return checkpointer(process_group).save_async(path, state, overlap=overlap, **options)
 
 
-def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True) -> LoadResult:
-    """Load a checkpoint into `state` in place, resharding to whatever layout `state` has."""
-    return checkpointer(process_group).load(path, state, strict=strict)
+def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True, verify: bool = False) -> LoadResult:
+    """Load a checkpoint into `state` in place, resharding to whatever layout `state` has.
+    `verify=True`: then prove the live state holds what was loaded (`Checkpointer.load`)."""
+    return checkpointer(process_group).load(path, state, strict=strict, verify=verify)

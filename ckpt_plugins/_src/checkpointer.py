@@ -150,16 +150,18 @@ class Checkpointer:
         self._executor.shutdown(wait=True)
         self._fg = self._bg = None
 
-    def load(self, path, state: Dict[str, Any], *, strict: bool = True) -> LoadResult:
+    def load(self, path, state: Dict[str, Any], *, strict: bool = True, verify: bool = False) -> LoadResult:
         """Load a checkpoint into `state` in place, resharding to whatever layout `state` has.
 
         Every check the metadata allows (format, version, paths, keys, shapes, dtypes, coverage,
         file sizes) runs on every rank before any tensor is touched. A stored range several ranks
         need is read by one of them and passed to the others. Any rank's failure raises the same
-        error on every rank.
+        error on every rank. `verify=True`: then compare every live region the load filled, as a save
+        would describe it, with what landed there (`VerificationError` naming the key, box and rank
+        on any difference; `result.verified_bytes`).
         """
         coord = self.coordinator()
         storage = storage_for(path, direct_io=self.direct_io)
         self._after_last(storage)
-        return load(storage, state, coord, strict=strict, read_threads=self.read_threads,
+        return load(storage, state, coord, strict=strict, verify=verify, read_threads=self.read_threads,
                     shared_memory=self.shared_memory, telemetry=self.telemetry)

@@ -39,3 +39,7 @@ class SaveError(CheckpointError):
 
 class PeerLost(CheckpointError):
     """A rank stopped answering (its process died, or its host): the job's group is broken."""
+
+
+class VerificationError(CheckpointError):
+    """A verified load found the live state differing from what the load put in it."""

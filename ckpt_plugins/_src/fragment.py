@@ -29,6 +29,9 @@ class Fragment:
     # other than `dtype` may be converted on load.
     sources: Tuple[str, ...] = ()
     cast: bool = False
+    # Load only: a finish step computes the live state from this memory rather than keeping it (a
+    # data position dealt anew), so a verified load does not compare it with the live state.
+    recomputed: bool = False
 
     @property
     def lengths(self) -> Shape:

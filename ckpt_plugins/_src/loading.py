@@ -20,6 +20,7 @@ from .coordinator import Coordinator
 from .engine.exchange import ReadWork, read_items
 from .foreign.view import ForeignMetadata, transformed
 from .format import stored_entries
+from .fragment import Fragment
 from .errors import CheckpointError, LoadMismatchError
 from .plan import (LoadPlan, ReadItem, ReadRequest, Run, StoredItem, Transfer, assign_transfers, candidate_keys,
                    plan_load, read_request, resolve_key, runs_of, specs_of)
@@ -27,6 +28,7 @@ from .results import LoadResult
 from .state import LoadItems, root_handler
 from .storage import Storage
 from .telemetry import Recorder, backend_of
+from .verify import Filled, check_live, filled
 
 log = logging.getLogger("ckpt_plugins")
 
@@ -44,11 +46,14 @@ class LoadRequest:
 
 class Load:
     def __init__(self, storage: Storage, state: Dict[str, Any], coord: Coordinator, *, strict: bool,
-                 read_threads: int, shared_memory: bool, telemetry: bool = True):
-        self.storage, self.state, self.coord, self.strict = storage, state, coord, strict
+                 read_threads: int, shared_memory: bool, telemetry: bool = True, verify: bool = False):
+        self.storage, self.state, self.coord, self.strict, self.verify = storage, state, coord, strict, verify
         self.read_threads, self.shared_memory = read_threads, shared_memory
         self.what = f"load of {storage}"
         self.items: Optional[LoadItems] = None
+        self.targets: List[Fragment] = []  # the handlers' destinations (a transform's fills one in a finish step)
+        self.transforms = 0  # the first finish steps: the transforms'
+        self.loaded: List[Filled] = []  # verify: what landed in them
         self.metadata, self.plan, self.requests, self.before = None, None, [], 0
         self.recorder = Recorder("load", backend_of(storage), coord.rank, enabled=telemetry)
         self.recorder.record.info["path"] = str(storage)
@@ -91,16 +96,18 @@ class Load:
             check_files(self.storage, metadata)
         t = time.time()
         self.items = items = root_handler(self.state).load_items("", metadata)
+        self.targets, steps = items.fragments, len(items.finish)
         items.fragments = transformed(metadata, items.fragments, items.finish)
-        for check in items.checks:
-            check(lambda key: read_object(self.storage, metadata, key, None))
+        self.transforms = len(items.finish) - steps
+        found = [k for check in items.checks for k in check(lambda key: read_object(self.storage, metadata, key, None))
+                 or ()]
         specs = specs_of(items.fragments)
         self.plan = plan = plan_load(metadata, specs)
         # every stored candidate of a wanted tensor counts as used: a bf16 weight is not left
         # over when its fp32 master filled the model
         request.wanted = sorted({resolve_key(metadata, k) for s in specs for k in candidate_keys(s)}
                                 | {s.key for s in specs} | set(items.objects) | set(items.per_rank) | items.accepted)
-        request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects]
+        request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects] + found
         request.reads = [read_request(r) for r in plan.reads]
         request.runs = runs_of([r.key for r in plan.reads], request.reads)
         planned.append(time.time())
@@ -108,8 +115,15 @@ class Load:
         return request
 
     def execute(self, result: LoadResult) -> LoadResult:
-        """The data, the objects and the handlers' finish steps; agreed again."""
+        """The data, the objects and the handlers' finish steps; agreed again. With `verify`, the
+        live state is then compared with what landed (`verify`), agreed once more: a save's
+        description of the state may run collectives, so every rank must reach it."""
         coord, recorder, plan, metadata = self.coord, self.recorder, self.plan, self.metadata
+
+        def finished():
+            recorder.record.info["checkpoint_bytes"] = metadata.total_bytes
+            result.telemetry = recorder.finish()
+            return result.telemetry
 
         def run():
             result.read_bytes = self._read(plan, metadata, self.requests)
@@ -118,15 +132,30 @@ class Load:
             with recorder.phase("objects"):
                 self._objects(metadata, result)
             with recorder.phase("finish"):
-                for finish in self.items.finish:
+                for finish in self.items.finish[:self.transforms]:
                     finish()
-            recorder.record.info["checkpoint_bytes"] = metadata.total_bytes
-            result.telemetry = recorder.finish()
-            return result.telemetry
+            if self.verify:  # before the handlers' finish steps, which must not change what landed
+                with recorder.phase("verify"):
+                    missing = set(plan.missing)
+                    self.loaded = filled([f for f in self.targets if f.key not in missing and not f.recomputed],
+                                         metadata)
+            with recorder.phase("finish"):
+                for finish in self.items.finish[self.transforms:]:
+                    finish()
+            return None if self.verify else finished()
+
+        def compare():
+            with recorder.phase("verify"):
+                result.verified_bytes = check_live(self.loaded, root_handler(self.state).save_items("").fragments,
+                                                   coord.rank)
+            return finished()
 
         touched = self._touched(plan)
         result.ranks = coord.agreed(run, what=self.what, then=f"On rank {coord.rank}, " + (
             f"these tensors may hold partly loaded data: {_shown(touched)}" if touched else "no tensor was written"))
+        if self.verify:
+            result.ranks = coord.agreed(compare, what=f"verification of the {self.what}",
+                                        then="The live state differs from the checkpoint there: do not train on it")
         result.collectives = coord.collectives - self.before
         return result
 

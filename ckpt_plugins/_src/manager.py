@@ -129,7 +129,7 @@ class CheckpointManager:
         and they agree on the step: the newest complete in memory, else the newest in `root`
         (`result.step` and `result.source` say which)."""
         if self.tier is not None:
-            return self.tier.recover(state, self.latest(), lambda s: self._load(state, s, **options), step)
+            return self.tier.recover(state, self.latest(), lambda s: self._load(state, s, **options), step, **options)
         step = self.latest() if step is None else int(step)
         if step is None:
             raise NotACheckpointError(f"{self.storage} holds no committed checkpoint")

@@ -133,18 +133,28 @@ def read_tensor(storage: Storage, metadata: Metadata, key: str, dtype: Optional[
     """The whole tensor `key` (aliases resolved), read and checksum-verified; into the front of
     `buffer` (uint8, reused by a caller streaming many tensors: fresh memory pays page faults)
     when given."""
+    shape = tuple(metadata.tensors[metadata.aliases.get(key, key)].shape)
+    return read_box(storage, metadata, key, (0,) * len(shape), shape, dtype, threads, buffer)
+
+
+def read_box(storage: Storage, metadata: Metadata, key: str, offsets: Sequence[int], lengths: Sequence[int],
+             dtype: Optional[torch.dtype] = None, threads: int = 4, buffer: Optional[torch.Tensor] = None
+             ) -> torch.Tensor:
+    """The box (`offsets`, `lengths`) of tensor `key`, as `read_tensor` reads a whole one: only
+    the stored ranges it overlaps are read."""
     key = metadata.aliases.get(key, key)
     meta = metadata.tensors[key]
     stored = dtype_from_name(meta.dtype)
     how = getattr(metadata, "transforms", {}).get(key)  # a foreign checkpoint's values computed as loads do
     dtype = dtype or (how.value_dtype(stored) if how is not None else stored)
+    lengths = tuple(int(n) for n in lengths)
     if buffer is None:
-        out = torch.empty(tuple(meta.shape), dtype=dtype)
+        out = torch.empty(lengths, dtype=dtype)
     else:
-        out = buffer[:math.prod(meta.shape) * dtype.itemsize].view(dtype).view(tuple(meta.shape))
+        out = buffer[:math.prod(lengths) * dtype.itemsize].view(dtype).view(lengths)
     finish: List[Callable[[], None]] = []
-    frags = transformed(metadata, [Fragment(key, tuple(meta.shape), out.dtype, (0,) * out.dim(), out, cast=True)],
-                        finish)
+    frags = transformed(metadata, [Fragment(key, tuple(meta.shape), out.dtype, tuple(int(o) for o in offsets), out,
+                                            cast=True)], finish)
     plan = plan_load(metadata, specs_of(frags))
     read_items(storage, ReadWork(plan.reads, frags, {k: m.dtype for k, m in metadata.tensors.items()},
                                  metadata.chunk_bytes), threads=threads)

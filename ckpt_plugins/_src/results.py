@@ -37,6 +37,7 @@ class LoadResult:
     kept_per_rank: List[str] = field(default_factory=list)  # per-rank objects no rank like ours saved
     read_bytes: int = 0  # bytes this rank read from storage
     unverified_bytes: int = 0  # of those, what no checksum covered (a foreign checkpoint's)
+    verified_bytes: int = 0  # with verify=True: the live bytes compared with what was loaded
     step: Optional[int] = None  # the step a CheckpointManager loaded
     source: str = ""  # where it came from: "storage" or "memory" (the memory tier)
     collectives: int = 0

@@ -80,8 +80,9 @@ class LoadItems:
     accepted: Set[str] = field(default_factory=set)  # keys consumed without a destination (aliases)
     finish: List[Callable[[], None]] = field(default_factory=list)  # after all data has landed
     undo: List[Callable[[], None]] = field(default_factory=list)  # if the load fails: drop what was created
-    # before any data moves, given a reader of stored objects by key: refuse what cannot load
-    checks: List[Callable[[Callable[[str], Any]], None]] = field(default_factory=list)
+    # before any data moves, given a reader of stored objects by key: refuse what cannot load (raise),
+    # or return the keys found missing (None: none)
+    checks: List[Callable[[Callable[[str], Any]], Optional[List[str]]]] = field(default_factory=list)
 
     def extend(self, other: "LoadItems") -> None:
         self.fragments += other.fragments
@@ -383,12 +384,15 @@ class OptimizerHandler(Handler):
         """The stored state replaces the live one, as torch's `load_state_dict` does: a parameter
         gets exactly the state names the checkpoint holds for it (none: no state), in place where
         the live tensors fit. A checkpoint without this optimizer (no param groups) leaves it
-        alone and reports what is missing."""
+        alone and reports what is missing. A parameter the checkpoint's optimizer never had (its
+        param groups do not name it) is missing, not reset: its state names are reported (the
+        others' names), and its live state kept."""
         items = LoadItems()
         groups_key = f"{prefix}/param_groups"
         items.objects[groups_key] = self._apply_groups
         saved_optimizer = groups_key in metadata.objects
         stored: Dict[str, Set[str]] = {}  # param name -> its stored state names
+        unstated = []  # (names, param, state owner, live state) of parameters the checkpoint gives no state
         for key in list(metadata.tensors) + list(metadata.objects):
             if key.startswith(prefix + "/") and key != groups_key:
                 pname, _, sname = key[len(prefix) + 1:].rpartition("/")
@@ -406,13 +410,23 @@ class OptimizerHandler(Handler):
                 if stale:  # dropped once the load has succeeded
                     items.finish.append(lambda s=live, names=stale: [s.pop(n) for n in names])
             if not snames:
-                if live is not None and saved_optimizer:
-                    items.finish.append(lambda p=p, owner=owner: owner.pop(p, None))
+                if saved_optimizer:
+                    unstated.append((layout.names, p, owner, live))
                 continue
             if live is None:
                 live = owner[p] = {}
                 items.undo.append(lambda p=p, owner=owner: owner.pop(p, None))
             self._load_param(p, layout, live, sorted(snames), prefix, metadata, items)  # same order on every rank
+        if unstated:
+            had = []  # of those, the ones the checkpoint's optimizer had without state: reset, as torch does
+
+            def check(read) -> List[str]:
+                named = {n for g in read(groups_key) for n in g["params"]}
+                had[:] = [u for u in unstated if any(n in named for n in u[0])]
+                snames = sorted(set().union(*stored.values())) or ["state"]
+                return [f"{prefix}/{n}/{s}" for u in unstated if u not in had for n in u[0] for s in snames]
+            items.checks.append(check)
+            items.finish.append(lambda: [owner.pop(p, None) for _, p, owner, live in had if live is not None])
         return items
 
     def _load_param(self, p, layout: "ParamLayout", state: dict, snames: List[str], prefix: str, metadata: Metadata,

@@ -42,7 +42,7 @@ def load_position(prefix: str, metadata: Metadata, order: Order, restart_epoch: 
         raise LoadMismatchError(f"the checkpoint holds no data loader state under {prefix!r}")
     taken = torch.zeros(metadata.tensors[key].shape, dtype=torch.int64)
     saved: dict = {}
-    items = LoadItems(fragments=[Fragment(key, tuple(taken.shape), torch.int64, (0,), taken)],
+    items = LoadItems(fragments=[Fragment(key, tuple(taken.shape), torch.int64, (0,), taken, recomputed=True)],
                       objects={objects: saved.update})
 
     def check(read) -> None:

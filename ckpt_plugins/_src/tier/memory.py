@@ -111,13 +111,14 @@ class MemoryTier:
     # ------------------------------------------------------------ recovery
 
     def recover(self, state: Dict[str, Any], durable: Optional[int],
-                load_durable: Callable[[int], LoadResult], step: Optional[int] = None) -> LoadResult:
+                load_durable: Callable[[int], LoadResult], step: Optional[int] = None, **options) -> LoadResult:
         """Load the newest step complete in the memory of the surviving hosts, else durable step
         `durable` (through `load_durable`); every rank agrees on the choice, which is logged.
-        `step`: that step only (memory when it is complete there)."""
+        `step`: that step only (memory when it is complete there). `options`: `Checkpointer.load`'s."""
         found = self.locate(durable, step)
         t = time.time()
-        result = self.checkpointer.load(found.storage, state) if found.storage else load_durable(found.step)
+        result = (self.checkpointer.load(found.storage, state, **options) if found.storage
+                  else load_durable(found.step))
         self.timings["load"] = time.time() - t
         result.step, result.source = found.step, found.source
         self.settle(found)
