@@ -71,7 +71,8 @@ def main():
     model, opt = accelerator.prepare(model, opt)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
-    hf_ext.accelerate.enable(accelerator)  # save_state/load_state now go through ckpt_plugins
+    # save_state/load_state now go through ckpt_plugins; a load proves the state holds what it loaded
+    hf_ext.accelerate.enable(accelerator, verify=True)
     # --8<-- [end:switch]
 
     os.makedirs(args.ckpt_dir, exist_ok=True)

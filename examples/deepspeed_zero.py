@@ -71,7 +71,8 @@ def main():
         "zero_optimization": {"stage": 3},
         "bf16": {"enabled": True},
         "steps_per_print": 10**9,  # the loop prints its own lines
-        "checkpoint": {"backend": "bytecheckpoint"},  # save_checkpoint/load_checkpoint through ckpt_plugins
+        # save_checkpoint/load_checkpoint through ckpt_plugins; a load proves the engine holds what it loaded
+        "checkpoint": {"backend": "bytecheckpoint", "verify": True},
     }
     engine, *_ = deepspeed_ext.initialize(model=model, optimizer=opt, config=config)
     # --8<-- [end:switch]

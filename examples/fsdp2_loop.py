@@ -102,7 +102,7 @@ def main():
     runs = cp.CheckpointManager(args.ckpt_dir)  # its step_N directories; only committed ones count
     newest = runs.latest()
     if newest is not None:
-        cp.load(runs.path(newest), state)
+        cp.load(runs.path(newest), state, verify=True)  # and prove the live state holds what it loaded
         loss = eval_loss(model, device)
         if rank == 0:
             print(f"resumed at step {state['extra']['step']} on {world} processes", flush=True)

@@ -97,7 +97,8 @@ def main():
     # --8<-- [start:switch]
     trainer = Trainer(model=model, args=training, train_dataset=Tokens(), callbacks=[Report()])
     trainer.remove_callback(PrinterCallback)  # Report prints instead of the raw log dicts
-    hf_ext.trainer.enable(trainer)  # checkpoint-N/ are now ckpt_plugins checkpoints
+    # checkpoint-N/ are now ckpt_plugins checkpoints; a resume proves the state holds what it loaded
+    hf_ext.trainer.enable(trainer, verify=True)
 
     resume = os.path.isdir(args.ckpt_dir) and get_last_checkpoint(args.ckpt_dir) is not None
     trainer.train(resume_from_checkpoint=resume)

@@ -112,7 +112,7 @@ def main():
     cuda = torch.cuda.is_available()
     # Megatron parses sys.argv; the arguments passed through come last, so they win
     sys.argv = [sys.argv[0], *TINY_GPT, "--distributed-backend", "nccl" if cuda else "gloo",
-                "--ckpt-backend", "bytecheckpoint", "--save", opts.ckpt_dir, "--load", opts.ckpt_dir,
+                "--ckpt-backend", "bytecheckpoint", "--ckpt-verify", "--save", opts.ckpt_dir, "--load", opts.ckpt_dir,
                 "--train-iters", str(opts.steps), "--save-interval", str(opts.steps), *passthrough]
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's requirement for TP, as its scripts set
