@@ -169,7 +169,7 @@ class Save:
             self.release()
             if isinstance(exc, SaveError):
                 raise
-            raise SaveError(f"{self.what} failed: {exc}") from exc
+            raise self._error(exc) from exc
         except BaseException:
             self.release()
             raise
@@ -224,7 +224,7 @@ class Save:
             if self.hooks.then is not None:
                 self.hooks.then(bg, self.handle.info)
         except BaseException as exc:
-            error = exc if isinstance(exc, SaveError) else SaveError(f"{self.what} failed: {exc}")
+            error = exc if isinstance(exc, SaveError) else self._error(exc)
         finally:
             self.release()  # before the save counts as done: the next save to this path takes the lock
         if error is None:
@@ -232,6 +232,14 @@ class Save:
         else:
             self.handle.fail(error)
             log.error("%s", error)
+
+    def _error(self, exc: BaseException) -> SaveError:
+        """`exc` as the save's error, keeping what it says failed where (a lost rank's PeerLost:
+        `error.failures` lets a caller tell that the job cannot go on)."""
+        error = SaveError(f"{self.what} failed: {exc}")
+        error.__cause__ = exc
+        error.failures = list(getattr(exc, "failures", []))
+        return error
 
     def _write(self, bg: Coordinator, threads: int) -> WriteReport:
         """Write this rank's files; what it tells the coordinator (a failure too)."""
