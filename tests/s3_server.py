@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -139,3 +140,72 @@ def stop(server: S3Server) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(server.process.pid, signal.SIGKILL)
         server.process.wait()
+
+
+class CuttingProxy:
+    """A TCP proxy to the S3 port that resets connections: `cuts` times once `after` bytes went
+    upstream (mid-upload), or every connection while `down`."""
+
+    def __init__(self, upstream_port: int, after: int = 0, cuts: int = 0):
+        self.upstream, self.after, self.cuts, self.down = upstream_port, after, cuts, False
+        self.sent = 0
+        self.lock = threading.Lock()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.conns = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            if self.down:
+                _reset(client)
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            self.conns.append((client, upstream))
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src, dst, outgoing):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if outgoing:
+                    with self.lock:
+                        self.sent += len(data)
+                        cut = self.cuts > 0 and self.sent >= self.after
+                        if cut:
+                            self.cuts -= 1
+                            self.sent = 0
+                    if cut:
+                        _reset(src)
+                        _reset(dst)
+                        return
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.server.close()
+        for pair in self.conns:
+            for s in pair:
+                _reset(s)
+
+
+def _reset(sock):
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.close()
+    except OSError:
+        pass
