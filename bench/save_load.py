@@ -340,7 +340,8 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
     opt_bytes = sum(t.numel() * t.element_size() for k, t in reference.items() if k.startswith("o/"))
     results = {"rank_bytes": rank_bytes, "opt_bytes": opt_bytes,
                "limits": {"memcpy": [], "write": [], "read": [], "read_cached": [], "first_touch": []},
-               "methods": {}}
+               "methods": {}, "verify": {"load": [], "cols": [], "load_plain": [], "cols_plain": [], "load_phase": [],
+                          "cols_phase": []}}
     if rank == 0 and methods.bcp is None:
         results["bytecheckpoint_error"] = methods.bcp_error
 
@@ -401,6 +402,19 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
                 res["ok"] &= bool(slowest(0.0 if same(got, reference) else 1.0) == 0.0)
                 del fresh, fresh_opt, got
                 release_memory()
+                if name == "ours_sync":  # the same load verified (one load path serves all of ours)
+                    fresh, fresh_opt = build(layers, fsdp=True, dim=dim)
+                    dist.barrier()
+                    if rank == 0:
+                        drop_cache(path)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    loaded = methods.ckpt.load(path, {"model": fresh, "optim": fresh_opt}, verify=True)
+                    results["verify"][column].append(slowest(time.perf_counter() - t0))
+                    results["verify"][column + "_plain"].append(res[column][-1])
+                    results["verify"][column + "_phase"].append(slowest(loaded.telemetry.seconds("verify")))
+                    del fresh, fresh_opt, loaded
+                    release_memory()
             dist.barrier()
         for name in available:
             keep = rep == args.reps - 1  # the last checkpoint of each method is loaded 2 -> 1 by the parent
@@ -650,6 +664,12 @@ def report(args, results, resharded, firsts) -> None:
                 vs_limit += f" (page cache {r[k] / cached[k]:.2f})"
             parts.append(f"{k} {r[k] / best[k]:.2f}{vs_limit}" if best[k] > 0 else f"{k} n/a{vs_limit}")
         print(f"  {name:<14} " + ", ".join(parts))
+    v = results["verify"]
+    if v["load"]:
+        print("\nverify=True (ours_sync's checkpoints, each load beside its plain twin): " + "; ".join(
+            f"{what} {med(v[c]):.3f} s vs {med(v[c + '_plain']):.3f} s plain, its verify phases "
+            f"{med(v[c + '_phase']):.3f} s = {med(v[c + '_phase']) / med(v[c + '_plain']):.1%} of the plain load"
+            for c, what in (("load", "same-layout load"), ("cols", "cols load"))))
     ours = [r for name, r in results["methods"].items() if name.startswith("ours")]
     paired = [c / l for r in ours for l, c in zip(r["load"], r["cols"])]
     print("\nresharded load / same-layout load: " + ", ".join(
