@@ -11,7 +11,8 @@ from ._src.state import Handler, Ignore, LoadItems, PerRank, SaveItems, register
 from ._src.tensor_map import tensor_fragments
 
 __all__ = [
-    "save", "save_async", "load", "read_metadata", "is_checkpoint", "checkpoint_format", "diff", "DiffReport", "KeyDiff", "checkpointer", "Checkpointer", "CheckpointManager", "SaveInfo", "SaveHandle", "LoadResult",
+    "save", "save_async", "load", "read_metadata", "is_checkpoint", "checkpoint_format", "diff", "DiffReport",
+    "KeyDiff", "checkpointer", "Checkpointer", "CheckpointManager", "SaveInfo", "SaveHandle", "LoadResult",
     "PerRank", "RNGState", "rng_state", "set_rng_state", "DataState", "DataChangedError", "TokenPacker",
     "Fragment", "box_fragment", "flat_fragments", "flat_range_boxes", "tensor_fragments",
     "Handler", "Ignore", "SaveItems", "LoadItems", "register_handler",

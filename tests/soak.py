@@ -398,8 +398,9 @@ def soak(events: int, seed: int, workdir: str, s3: bool = True, quick: bool = Fa
             if life.fault.kind == "host_lost":
                 shutil.rmtree(os.path.join(workdir, "hosts", f"b{generation}"), ignore_errors=True)
                 generation += 1
-            log(f"life {life.number}: {life.world} ranks, {asdict(life.fault)}{'' if outcome['injected'] else ' (late)'}"
-                f", saves {life.modes} to {life.root}: {outcome['summary']}")
+            late = "" if outcome["injected"] else " (late)"
+            log(f"life {life.number}: {life.world} ranks, {asdict(life.fault)}{late}, saves {life.modes} to "
+                f"{life.root}: {outcome['summary']}")
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -45,7 +45,11 @@ def test_one_changed_element_is_named_with_its_key_index_and_box(two_rank, tmp_p
     assert bcp(["diff", two_rank, str(tmp_path / "changed")]) == 1
     out = capsys.readouterr().out
     assert "10 equal" in out and "1 different" in out
-    assert "different  rows: max abs 0.5, max rel" in out and "1 of 30 elements; first at [4, 2] in box at [3, 0] of [3, 5]" in out
+    assert "different  rows: max abs 0.5, max rel" in out
+    assert "1 of 30 elements; first at [4, 2] in box at [3, 0] of [3, 5]" in out
+    streamed = cp.diff(two_rank, tmp_path / "changed", keys="rows", slab_bytes=64).keys[0]  # one row per slab
+    assert (streamed.first_index, streamed.first_box, streamed.differing) == (
+        [4, 2], {"offsets": [3, 0], "lengths": [3, 5]}, 1)
     assert bcp(["diff", two_rank, str(tmp_path / "changed"), "--atol", "0.6"]) == 0  # within tolerance
     assert bcp(["diff", two_rank, str(tmp_path / "changed"), "--keys", "optim/*"]) == 0  # rows not compared
     capsys.readouterr()

@@ -103,3 +103,18 @@ def test_a_verified_load_of_a_sound_state_passes_and_counts_what_it_compared(sav
     weights = sum(v.numel() * 4 for v in expected.values())
     assert result.verified_bytes == 3 * weights + 3 * 4  # weights, two moments, three step counts
     assert result.telemetry.phase("verify").seconds > 0
+
+
+def test_an_optimizer_resumed_without_some_experts_state_names_them(tmp_path):
+    """Experts whose optimizer state never arrived (left out of the save, as with EP ranks that did
+    not save theirs) are missing keys, not moments silently restarted from zero."""
+    model, _ = trained(0)
+    partial = torch.optim.AdamW([model.router.weight, model.experts[0].weight], lr=0.1)
+    model(torch.randn(3, 4)).square().sum().backward()
+    partial.step()
+    cp.save(tmp_path / "c", {"model": model, "optim": partial})
+    model, opt = trained(1)
+    with pytest.raises(cp.LoadMismatchError, match="keys missing from the checkpoint: optim/experts.1.weight/exp_avg"):
+        cp.load(tmp_path / "c", {"model": model, "optim": opt})
+    assert cp.load(tmp_path / "c", {"model": model, "optim": opt}, strict=False).missing_keys == [
+        f"optim/experts.1.weight/{s}" for s in ("exp_avg", "exp_avg_sq", "step")]
