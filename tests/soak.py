@@ -376,22 +376,23 @@ def soak(events: int, seed: int, workdir: str, s3: bool = True, quick: bool = Fa
         proxy = s3_server.CuttingProxy(server.port)
         env = server.env(f"http://127.0.0.1:{proxy.port}")
         os.environ.update(env)  # the agent lists the S3 root too
-    t0, generation = time.time(), 0
+    t0, generation, commits = time.time(), 0, {}
     order = rng.sample([k for k in KINDS if s3 or k != "s3_cut"], len(KINDS) - (not s3))
     try:
         while sum(report.events.values()) < events:
-            kind = _kind(rng, order, s3, any(_commits(workdir, s3).values()))
+            kind = _kind(rng, order, s3, any(commits.values()))
             life = plan(rng, report.lives, generation, kind, quick)
             if life.fault.kind == "corrupt":
                 _corrupt(workdir, s3)
             cuts = rng.randint(1, 3)
             if life.fault.kind == "s3_cut":
                 proxy.sent, proxy.after, proxy.cuts = 0, rng.randint(2_000, 20_000), cuts
-            before = _commits(workdir, s3)
+            before = _commits(workdir, s3) if life.fault.kind == "corrupt" else commits  # the agent changed one
             outcome = _run(life, workdir, env)
             if life.fault.kind == "s3_cut":
                 outcome["injected"], proxy.cuts = proxy.cuts < cuts, 0
-            _check(life, outcome, workdir, before, _commits(workdir, s3), report)
+            commits = _commits(workdir, s3)
+            _check(life, outcome, workdir, before, commits, report)
             report.events[life.fault.kind] += outcome["injected"]
             report.missed += not outcome["injected"]
             report.lives += 1
@@ -541,7 +542,7 @@ def _check(life: Life, outcome: dict, workdir: str, before: Dict[str, Dict[int, 
         bad(f"{where}: a frozen rank made a save fail: {[rep['saves'] for rep in survivors.values()]}")
     # nothing partial committed: every commit whole; a save every survivor saw fail changed no commit
     for root, steps in after.items():
-        for step in steps:
+        for step in [s for s, meta in steps.items() if before.get(root, {}).get(s) != meta]:  # new commits
             path = f"{S3_ROOT if root == 's3' else workdir + '/local'}/step_{step}"
             try:
                 storage = storage_for(path)
