@@ -50,8 +50,10 @@ ROWS, COLS = 24, 64  # 24 rows: every rank count here divides them
 KINDS = ("kill", "disk_full", "s3_cut", "corrupt", "freeze", "host_lost")
 MODES = ("sync", "async", "overlap", "memory")
 KEEP = 3  # committed checkpoints kept per root
-GROUP_TIMEOUT = 90  # seconds; a life longer than LIFE_LIMIT counts as a rank waiting for it
-LIFE_LIMIT = 60
+# seconds; a life longer than LIFE_LIMIT counts as a rank waiting for the group's timeout. Above
+# botocore's own 60 s read timeout: an S3 server that stops answering is the storage's to time out.
+GROUP_TIMEOUT = 300
+LIFE_LIMIT = 150
 S3_ROOT = "s3://ckpt/soak"
 S3_ENV = "FSSPEC_S3_ENDPOINT_URL"  # set (to the proxy) when the soak has an S3 server
 
@@ -392,7 +394,10 @@ def soak(events: int, seed: int, workdir: str, s3: bool = True, quick: bool = Fa
             if life.fault.kind == "s3_cut":
                 outcome["injected"], proxy.cuts = proxy.cuts < cuts, 0
             commits = _commits(workdir, s3)
+            broken = len(report.violations)
             _check(life, outcome, workdir, before, commits, report)
+            for violation in report.violations[broken:]:  # as they come: a run cut short still says
+                log(f"  broken: {violation}")
             report.events[life.fault.kind] += outcome["injected"]
             report.missed += not outcome["injected"]
             report.lives += 1
