@@ -317,6 +317,17 @@ class Limits:
 # ------------------------------------------------------------------ the 2-rank run
 
 
+def cold_model(layers: int, dim: int, path: str, rank: int) -> tuple:
+    """A freshly built model (FSDP2, sharding `dim`) and optimizer to load `path` into, with the
+    checkpoint's pages dropped from the cache once every rank is ready."""
+    fresh, fresh_opt = build(layers, fsdp=True, dim=dim)
+    dist.barrier()
+    if rank == 0:
+        drop_cache(path)
+    dist.barrier()
+    return fresh, fresh_opt
+
+
 def timed_save(methods: Methods, name: str, path: str, model, opt) -> tuple:
     """(stall, time to commit) of one save, started together on every rank."""
     dist.barrier()
@@ -389,11 +400,7 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
             # the same layout, then another one at the same world size: FSDP2 sharding every
             # tensor's columns (Shard(1)) instead of its rows, so each rank needs part of every file
             for column, dim in (("load", 0), ("cols", 1)):
-                fresh, fresh_opt = build(layers, fsdp=True, dim=dim)
-                dist.barrier()
-                if rank == 0:
-                    drop_cache(path)
-                dist.barrier()
+                fresh, fresh_opt = cold_model(layers, dim, path, rank)
                 t0 = time.perf_counter()
                 methods.load(name, path, fresh, fresh_opt)
                 res[column].append(slowest(time.perf_counter() - t0))
@@ -403,11 +410,7 @@ def worker(rank: int, world: int, port: int, args, root: str, out_path: str) -> 
                 del fresh, fresh_opt, got
                 release_memory()
                 if name == "ours_sync":  # the same load verified (one load path serves all of ours)
-                    fresh, fresh_opt = build(layers, fsdp=True, dim=dim)
-                    dist.barrier()
-                    if rank == 0:
-                        drop_cache(path)
-                    dist.barrier()
+                    fresh, fresh_opt = cold_model(layers, dim, path, rank)
                     t0 = time.perf_counter()
                     loaded = methods.ckpt.load(path, {"model": fresh, "optim": fresh_opt}, verify=True)
                     results["verify"][column].append(slowest(time.perf_counter() - t0))
