@@ -210,14 +210,15 @@ def _tally(out: KeyDiff, slab: Box, a: torch.Tensor, b: torch.Tensor, atol: floa
     out.elements += a.numel()
     if not a.numel():
         return
-    if a.dtype == b.dtype and atol == 0 and rtol == 0:  # bit for bit: NaN payloads and -0.0 count
-        differs = (_bytes(a) != _bytes(b)).any(dim=1)
-    else:
-        differs = ~torch.isclose(_wide(a), _wide(b), rtol=rtol, atol=atol, equal_nan=True).reshape(-1)
+    exact = a.dtype == b.dtype and atol == 0 and rtol == 0  # bit for bit: NaN payloads and -0.0 count
+    wide = None if exact else (_wide(a).reshape(-1), _wide(b).reshape(-1))
+    differs = (_bytes(a) != _bytes(b)).any(dim=1) if exact else ~torch.isclose(
+        *wide, rtol=rtol, atol=atol, equal_nan=True)
     count = int(differs.sum())
     if not count:
         return
-    wa, wb = _wide(a).reshape(-1)[differs], _wide(b).reshape(-1)[differs]
+    wa, wb = wide or (_wide(a).reshape(-1), _wide(b).reshape(-1))
+    wa, wb = wa[differs], wb[differs]
     gap = (wa - wb).abs().nan_to_num(nan=math.inf)
     rel = gap / wb.abs()
     out.max_abs = max(out.max_abs, float(gap.max()))
