@@ -1,7 +1,9 @@
 """save/load in one process: modules, optimizers, schedulers, objects, tied weights, strictness."""
+import base64
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -170,8 +172,14 @@ def test_metadata_is_versioned_plain_json(tmp_path):
     model, _, _ = make(0)
     cp.save(tmp_path / "c", {"model": model}, framework="torch", layout={"dp": 1}, step=7)
     raw = json.loads((tmp_path / "c" / "metadata.json").read_text())
-    assert raw["format"] == "ckpt_plugins" and raw["version"] == 1 and raw["step"] == 7
-    assert raw["tensors"]["model/norm.weight"]["shape"] == [16]
+    assert raw["format"] == "ckpt_plugins" and raw["version"] == 2 and raw["step"] == 7
+    # the tensor table's columns, read as the format specification says, with numpy alone
+    column = {name: np.frombuffer(base64.b64decode(raw["tensors"][name]), dtype=t)
+              for name, t in (("ndim", "<u1"), ("shape", "<i8"), ("dtype", "<u1"))}
+    i = raw["keys"].index("model/norm.weight")
+    start = int(column["ndim"][:i].sum())
+    assert column["shape"][start:start + column["ndim"][i]].tolist() == [16]
+    assert raw["dtypes"][column["dtype"][i]] == "float32"
 
 
 def test_fp32_model_loads_the_masters_of_a_mixed_precision_checkpoint(tmp_path):

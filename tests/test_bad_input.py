@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import ckpt_plugins as cp
+from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
 from ckpt_plugins._src.storage import LocalStorage
 from distributed import run_ranks
 
@@ -27,8 +28,17 @@ def meta_json(path):
     return json.loads((path / "metadata.json").read_text())
 
 
-def write_meta(path, raw):
+def write_json(path, raw):
     (path / "metadata.json").write_text(json.dumps(raw))
+
+
+def read_meta(path):
+    return decode_metadata((path / "metadata.json").read_bytes())
+
+
+def write_meta(path, meta):
+    """`meta` as the metadata file, unchecked (what a buggy or hostile writer could leave)."""
+    (path / "metadata.json").write_bytes(encode_metadata(meta))
 
 
 def untouched_load(path, error, match):
@@ -46,19 +56,18 @@ def test_missing_metadata_is_an_incomplete_checkpoint(ckpt):
 
 
 def test_flipped_byte_names_key_and_file(ckpt):
-    raw = meta_json(ckpt)
-    box = raw["tensors"]["model/0.weight"]["boxes"][0]
-    with open(ckpt / box["file"], "r+b") as f:
-        f.seek(box["offset"] + 5)
+    box = read_meta(ckpt).tensors["model/0.weight"].boxes[0]
+    with open(ckpt / box.file, "r+b") as f:
+        f.seek(box.offset + 5)
         byte = f.read(1)
-        f.seek(box["offset"] + 5)
+        f.seek(box.offset + 5)
         f.write(bytes([byte[0] ^ 0x10]))
-    with pytest.raises(cp.CorruptCheckpointError, match=rf"model/0\.weight: file {box['file']}"):
+    with pytest.raises(cp.CorruptCheckpointError, match=rf"model/0\.weight: file {box.file}"):
         cp.load(ckpt, {"model": model(1)})
 
 
 def test_truncated_data_file(ckpt):
-    name = sorted(meta_json(ckpt)["files"])[0]
+    name = sorted(read_meta(ckpt).files)[0]
     size = os.path.getsize(ckpt / name)
     os.truncate(ckpt / name, size - 3)
     untouched_load(ckpt, cp.CorruptCheckpointError, f"{name} of .* is truncated")
@@ -66,16 +75,16 @@ def test_truncated_data_file(ckpt):
 
 @pytest.mark.parametrize("bad", ["../outside.bin", "/etc/passwd", "data/../../x.bin", "data\\..\\x"])
 def test_metadata_paths_must_stay_inside(ckpt, bad):
-    raw = meta_json(ckpt)
-    old = raw["tensors"]["model/0.weight"]["boxes"][0]["file"]
-    raw["tensors"]["model/0.weight"]["boxes"][0]["file"] = bad
-    raw["files"][bad] = raw["files"].pop(old)
-    write_meta(ckpt, raw)
+    meta = read_meta(ckpt)
+    box = meta.tensors["model/0.weight"].boxes[0]
+    meta.files[bad] = meta.files.pop(box.file)
+    box.file = bad
+    write_meta(ckpt, meta)
     untouched_load(ckpt, cp.UnsafePathError, "not a plain relative path inside the checkpoint")
 
 
 def test_symlink_escape_is_refused(ckpt, tmp_path):
-    name = sorted(meta_json(ckpt)["files"])[0]
+    name = sorted(read_meta(ckpt).files)[0]
     outside = tmp_path / "outside.bin"
     os.rename(ckpt / name, outside)
     os.symlink(outside, ckpt / name)
@@ -101,16 +110,15 @@ def test_dtype_mismatch(ckpt):
 def test_newer_format_version(ckpt):
     raw = meta_json(ckpt)
     raw["version"] = 99
-    write_meta(ckpt, raw)
+    write_json(ckpt, raw)
     untouched_load(ckpt, cp.MetadataError, "version 99 is newer .* upgrade ckpt_plugins")
 
 
 def test_uncovered_region_names_key_and_region(ckpt):
-    raw = meta_json(ckpt)
-    box = raw["tensors"]["model/0.weight"]["boxes"][0]
-    box["lengths"] = [100, 8]
-    box["nbytes"] = 100 * 8 * 4
-    write_meta(ckpt, raw)
+    meta = read_meta(ckpt)
+    box = meta.tensors["model/0.weight"].boxes[0]
+    box.lengths, box.nbytes = (100, 8), 100 * 8 * 4
+    write_meta(ckpt, meta)
     untouched_load(ckpt, cp.LoadMismatchError,
                    r"model/0\.weight: no stored box covers region offsets \[100, 0\] lengths \[200, 8\]")
 

@@ -18,7 +18,7 @@ from ckpt_plugins.cli import main as bcp
 from ckpt_plugins.ext import LoadItems, SaveItems, box_fragment
 
 FIXTURES = Path(__file__).parent / "fixtures"
-VERSIONS = [1]
+VERSIONS = [1, 2]
 # denormal, NaN payloads (quiet, signalling), -0.0: values torch.equal cannot tell apart or calls unequal
 SPECIALS = torch.tensor([1, 0x7FC00001, 0x7F800001, -(1 << 31)], dtype=torch.int32).view(torch.float32)
 

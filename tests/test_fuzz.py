@@ -1,6 +1,8 @@
 """Fuzzing the metadata parser and the loader (hypothesis): random bytes, random JSON, mutated valid
-metadata, mutated data files. Only the project's own exceptions come out, and the loader never opens
+metadata (format versions 1 and 2, and single elements of version 2's columns), mutated data files. Only the project's own exceptions come out, and the loader never opens
 a file outside the checkpoint. Plus planted attacks: pickles that would run code, paths that leave."""
+import base64
+import dataclasses
 import importlib.util
 import io
 import json
@@ -8,6 +10,7 @@ import os
 import shutil
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +18,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ckpt_plugins as cp
-from ckpt_plugins._src.format import decode_metadata
+from ckpt_plugins._src.format_v2 import BOX_COLUMNS, TENSOR_COLUMNS
+from ckpt_plugins._src.metadata_codec import decode_metadata
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12),
                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
@@ -55,6 +59,17 @@ def state(seed=0):
 def valid(tmp_path_factory):
     path = tmp_path_factory.mktemp("valid") / "ckpt"
     cp.save(path, state(0))
+    return path
+
+
+@pytest.fixture(scope="module")
+def valid_v1(valid, tmp_path_factory):
+    """The same checkpoint with its metadata as format version 1 wrote it (no release writes it any more)."""
+    path = tmp_path_factory.mktemp("valid_v1") / "ckpt"
+    shutil.copytree(valid, path)
+    meta = decode_metadata((valid / "metadata.json").read_bytes())
+    body = dataclasses.asdict(dataclasses.replace(meta, tensors=dict(meta.tensors), version=1))
+    (path / "metadata.json").write_text(json.dumps({"format": "ckpt_plugins", "version": 1, **body}))
     return path
 
 
@@ -121,16 +136,52 @@ def load_outcome(path):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_mutated_metadata_loads_right_or_fails_with_our_errors_inside_the_checkpoint(valid, tmp_path, data):
+@pytest.mark.parametrize("version", [1, 2])
+def test_mutated_metadata_loads_right_or_fails_with_our_errors_inside_the_checkpoint(valid, valid_v1, version,
+                                                                                       tmp_path, data):
     FileAudit.install()
     work = tmp_path / "m"
     shutil.rmtree(work, ignore_errors=True)
-    shutil.copytree(valid, work)
+    shutil.copytree(valid_v1 if version == 1 else valid, work)
     raw = json.loads((work / "metadata.json").read_text())
     where = data.draw(st.sampled_from(list(paths(raw))))
     replacement = data.draw(JSON | st.sampled_from(["../../etc/passwd", "/etc/passwd", "data/../../x", -1, 2**40,
                                                      "torch", "json", "float64", [0, 0], "model/0.weight"]))
     (work / "metadata.json").write_text(json.dumps(mutate(raw, where, replacement)))
+    FileAudit.escapes = []
+    load_outcome(work)
+    assert FileAudit.escapes == [], FileAudit.escapes
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_mutated_column_element_loads_right_or_fails_with_our_errors(valid, tmp_path, data):
+    """One element of a version-2 column set to a hostile value, dropped or added: the columns are
+    checked as wholes, so a value no single-field check would see must still be refused."""
+    FileAudit.install()
+    work = tmp_path / "c"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(valid, work)
+    raw = json.loads((work / "metadata.json").read_text())
+    table, types = data.draw(st.sampled_from([("tensors", TENSOR_COLUMNS), ("boxes", BOX_COLUMNS)]))
+    name = data.draw(st.sampled_from(sorted(types)))
+    info = np.iinfo(types[name])
+    column = np.frombuffer(base64.b64decode(raw[table][name]), dtype=types[name]).copy()
+    value = data.draw(st.sampled_from([info.min, info.max, 0, 1, -1 % (info.max + 1) if info.min == 0 else -1])
+                      | st.integers(int(info.min), int(info.max)))
+    kind = data.draw(st.sampled_from(["set", "drop", "add"]))
+    if kind == "set" and len(column):
+        column[data.draw(st.integers(0, len(column) - 1))] = value
+    elif kind == "drop":
+        column = column[:-1]
+    else:
+        column = np.append(column, np.array([value], dtype=types[name]))
+    raw[table][name] = base64.b64encode(column.astype(types[name]).tobytes()).decode()
+    (work / "metadata.json").write_text(json.dumps(raw))
+    try:  # decoding refuses it, or every entry it accepted can be built
+        list(decode_metadata((work / "metadata.json").read_bytes()).tensors.values())
+    except cp.MetadataError:
+        pass
     FileAudit.escapes = []
     load_outcome(work)
     assert FileAudit.escapes == [], FileAudit.escapes
@@ -178,7 +229,7 @@ def test_a_pickle_that_would_run_code_is_refused_and_never_runs(valid, tmp_path)
     from ckpt_plugins._src.format import chunk_checksums
     entry.update(offset=offset, nbytes=len(payload), encoding="torch",
                  crc32c=chunk_checksums(payload, raw["chunk_bytes"]) if "chunk_bytes" in raw else chunk_checksums(payload))
-    raw["files"][entry["file"]] = offset + len(payload)
+    next(f for f in raw["files"] if f[0] == entry["file"])[1] = offset + len(payload)  # [path, size] pairs
     (work / "metadata.json").write_text(json.dumps(raw))
     with pytest.raises(cp.CorruptCheckpointError, match="extra/step"):
         cp.load(work, state(1))

@@ -18,7 +18,8 @@ from typing import Optional, Set
 
 from . import lock
 from .errors import CheckpointError, SaveError
-from .format import DATA_DIR, METADATA_FILE, Metadata, decode_metadata
+from .format import DATA_DIR, METADATA_FILE, Metadata
+from .metadata_codec import decode_metadata, encode_metadata
 from .storage import Storage
 
 log = logging.getLogger("ckpt_plugins")
@@ -113,7 +114,7 @@ class Commit:
         checkpoint it replaced are removed afterwards (a failure there only logs)."""
         metadata = renamed(metadata, self.generation)
         self.storage.prepare()
-        self.storage.put_atomic(METADATA_FILE, metadata.to_json())
+        self.storage.put_atomic(METADATA_FILE, encode_metadata(metadata))
         try:
             self._sweep(set(metadata.files))
         except OSError as exc:

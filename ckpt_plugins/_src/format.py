@@ -1,25 +1,25 @@
-"""The on-disk format: metadata schema (versioned JSON), file layout, dtypes and checksums.
+"""The on-disk format: the metadata's types, file layout, dtypes and checksums.
 
 A checkpoint directory holds raw tensor/object bytes under `data/` and one `metadata.json`,
-written last; its presence is the commit. The metadata is plain JSON so any tool can read it
-and loading never executes anything. Decoding validates every field before it is used.
+written last; its presence is the commit. The metadata is JSON (`metadata_codec` encodes and
+decodes it) so any tool can read it and loading never executes anything. Decoding validates
+every field before it is used.
 """
 from __future__ import annotations
 
-import json
 import math
 import posixpath
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import crc32c as _crc32c
 import torch
 
 from .errors import MetadataError, UnsafePathError
-from .gcpause import gc_paused
 
 FORMAT_NAME = "ckpt_plugins"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: tables as JSON objects (still read); 2: as columns (format_v2)
 METADATA_FILE = "metadata.json"
 DATA_DIR = "data"
 # Checksums cover fixed-size chunks of each stored item, so a partial (byte-range) read still
@@ -62,8 +62,13 @@ def chunk_checksums(data, chunk: int = CHUNK_BYTES) -> List[int]:
     return [_crc32c.crc32c(view[i:i + chunk]) for i in range(0, len(view), chunk)]
 
 
+_OWN_FILE = re.compile(r"data/(?:g\d+-)?r\d+-(?:\d+|objects)\.bin")  # the names saves write: safe as they are
+
+
 def check_relative_path(path: str) -> str:
     """Reject any metadata path that could leave the checkpoint directory."""
+    if isinstance(path, str) and _OWN_FILE.fullmatch(path):
+        return path
     if (not isinstance(path, str) or not path or "\\" in path or "\x00" in path
             or path.startswith("/") or posixpath.normpath(path) != path
             or path.split("/")[0] == ".."):
@@ -113,10 +118,6 @@ class Metadata:
     version: int = FORMAT_VERSION
     chunk_bytes: int = CHUNK_BYTES
 
-    def to_json(self) -> bytes:
-        body = {"format": FORMAT_NAME, "version": self.version, **asdict(self)}
-        return json.dumps(body, separators=(",", ":")).encode()
-
     @property
     def total_bytes(self) -> int:
         return sum(self.files.values())
@@ -127,103 +128,35 @@ def stored_entries(metadata: Metadata) -> set:
     return {k.split("/", 1)[0] for k in list(metadata.tensors) + list(metadata.objects) + list(metadata.aliases)}
 
 
-# --- decoding: every field is type-checked, so a hostile file yields MetadataError only ---
+# --- checks the decoders share: a hostile file yields MetadataError (or UnsafePathError) only ---
 
-def _need(cond: bool, what: str) -> None:
+def need(cond: bool, what: str) -> None:
     if not cond:
         raise MetadataError(f"malformed metadata: {what}")
 
 
-def _int(value, what: str, minimum: int = 0) -> int:
-    _need(type(value) is int and value >= minimum, f"{what} must be an integer >= {minimum}")
+def require_int(value, what: str, minimum: int = 0) -> int:
+    need(type(value) is int and value >= minimum, f"{what} must be an integer >= {minimum}")
     return value
 
 
-def _ints(value, what: str) -> Tuple[int, ...]:
-    _need(isinstance(value, list) and len(value) <= 64, f"{what} must be a list of integers")
-    return tuple(_int(v, what) for v in value)
+def require_ints(value, what: str) -> Tuple[int, ...]:
+    need(isinstance(value, list) and len(value) <= 64, f"{what} must be a list of integers")
+    return tuple(require_int(v, what) for v in value)
 
 
-def _dict(value, what: str) -> dict:
-    _need(isinstance(value, dict), f"{what} must be an object")
+def require_dict(value, what: str) -> dict:
+    need(isinstance(value, dict), f"{what} must be an object")
     return value
 
 
-def _item_fields(raw: dict, what: str, chunk_bytes: int) -> dict:
-    raw = _dict(raw, what)
-    nbytes = _int(raw.get("nbytes"), f"{what}.nbytes")
+def item_fields(raw: dict, what: str, chunk_bytes: int) -> dict:
+    """A stored item's file, offset, nbytes and per-chunk checksums, checked."""
+    raw = require_dict(raw, what)
+    nbytes = require_int(raw.get("nbytes"), f"{what}.nbytes")
     crc = raw.get("crc32c")
-    _need(isinstance(crc, list) and all(type(c) is int for c in crc)
-          and len(crc) == max(1, math.ceil(nbytes / chunk_bytes)),
-          f"{what}.crc32c must hold one checksum per chunk")
-    return dict(file=check_relative_path(raw.get("file")), offset=_int(raw.get("offset"), f"{what}.offset"),
+    need(isinstance(crc, list) and all(type(c) is int for c in crc)
+         and len(crc) == max(1, math.ceil(nbytes / chunk_bytes)),
+         f"{what}.crc32c must hold one checksum per chunk")
+    return dict(file=check_relative_path(raw.get("file")), offset=require_int(raw.get("offset"), f"{what}.offset"),
                 nbytes=nbytes, crc32c=crc)
-
-
-def _tensor(key: str, raw: dict, chunk_bytes: int) -> TensorMeta:
-    raw = _dict(raw, f"tensor {key}")
-    shape = _ints(raw.get("shape"), f"{key}.shape")
-    dtype = raw.get("dtype")
-    itemsize = dtype_from_name(dtype).itemsize
-    boxes = []
-    raw_boxes = raw.get("boxes")
-    _need(isinstance(raw_boxes, list), f"{key}.boxes must be a list")
-    for i, rb in enumerate(raw_boxes):
-        what = f"{key}.boxes[{i}]"
-        box = StoredBox(**_item_fields(rb, what, chunk_bytes),
-                        offsets=_ints(rb.get("offsets"), f"{what}.offsets"),
-                        lengths=_ints(rb.get("lengths"), f"{what}.lengths"))
-        _need(len(box.offsets) == len(shape) == len(box.lengths), f"{what} rank differs from the tensor's")
-        _need(all(o + n <= s for o, n, s in zip(box.offsets, box.lengths, shape)),
-              f"{what} lies outside shape {list(shape)}")
-        _need(box.nbytes == math.prod(box.lengths) * itemsize, f"{what}.nbytes disagrees with its box")
-        boxes.append(box)
-    return TensorMeta(shape=shape, dtype=dtype, boxes=boxes)
-
-
-def _object(key: str, raw: dict, chunk_bytes: int) -> ObjectMeta:
-    raw = _dict(raw, f"object {key}")
-    meta = ObjectMeta(**_item_fields(raw, f"object {key}", chunk_bytes),
-                      encoding=raw.get("encoding"), rank=raw.get("rank"))
-    _need(meta.encoding in ("json", "torch"), f"object {key} has unknown encoding {meta.encoding!r}")
-    _need(meta.rank is None or type(meta.rank) is int, f"object {key}.rank must be an integer or null")
-    return meta
-
-
-@gc_paused
-def decode_metadata(data: bytes) -> Metadata:
-    """Parse and validate metadata bytes. Raises MetadataError (or UnsafePathError) only."""
-    try:
-        raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise MetadataError(f"metadata is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
-        raise MetadataError(f"metadata file is not a {FORMAT_NAME} checkpoint's (no 'format' marker)")
-    version = raw.get("version")
-    _int(version, "version", 1)
-    if version > FORMAT_VERSION:
-        raise MetadataError(f"checkpoint format version {version} is newer than this ckpt_plugins "
-                            f"understands ({FORMAT_VERSION}); upgrade ckpt_plugins to load it")
-    chunk_bytes = _int(raw.get("chunk_bytes"), "chunk_bytes", 1)
-    tensors = {k: _tensor(k, v, chunk_bytes) for k, v in _dict(raw.get("tensors"), "tensors").items()}
-    objects = {}
-    for k, v in _dict(raw.get("objects"), "objects").items():
-        _need(isinstance(v, list), f"objects.{k} must be a list")
-        objects[k] = [_object(k, o, chunk_bytes) for o in v]
-    files = {check_relative_path(f): _int(n, f"files.{f}") for f, n in _dict(raw.get("files"), "files").items()}
-    for key, item in [(k, b) for k, t in tensors.items() for b in t.boxes] + \
-                     [(k, o) for k, objs in objects.items() for o in objs]:
-        _need(item.file in files, f"{key} is stored in {item.file}, which the file table lacks")
-        _need(item.offset + item.nbytes <= files[item.file], f"{key} extends past the end of {item.file}")
-    aliases = _dict(raw.get("aliases", {}), "aliases")
-    for alias, target in aliases.items():
-        _need(isinstance(target, str) and target in tensors, f"alias {alias} points to missing tensor {target!r}")
-    step = raw.get("step")
-    _need(step is None or type(step) is int, "step must be an integer or null")
-    layout = _dict(raw.get("layout", {}), "layout")
-    framework = raw.get("framework")
-    _need(isinstance(framework, str), "framework must be a string")
-    return Metadata(tensors=tensors, objects=objects, files=files, aliases=aliases,
-                    framework=framework, layout=layout, step=step,
-                    world_size=_int(raw.get("world_size"), "world_size", 1),
-                    version=version, chunk_bytes=chunk_bytes)

@@ -13,7 +13,8 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 import torch
 
 from .. import shm
-from ..format import DATA_DIR, METADATA_FILE, decode_metadata
+from ..format import DATA_DIR, METADATA_FILE
+from ..metadata_codec import decode_metadata
 from ..storage import LocalStorage
 from .layout import StepFiles
 

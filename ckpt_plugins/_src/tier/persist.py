@@ -10,7 +10,7 @@ from typing import Callable, Dict, Optional
 from ..commit import Commit, generation_file
 from ..coordinator import Coordinator
 from ..errors import SaveError
-from ..format import decode_metadata
+from ..metadata_codec import decode_metadata
 from ..storage import Storage
 from ..hostmem import aligned_empty
 from .hostdir import PIECE, HostDir, pieces

@@ -1,0 +1,231 @@
+"""Format version 2: the tensor and box tables as columns.
+
+A checkpoint of a large job has hundreds of thousands of boxes and millions of chunk checksums.
+Version 1 spelled each box as a JSON object, so decoding one cost seconds per rank. Version 2
+keeps the JSON envelope (format, step, files, objects, aliases stay as they were) and stores each
+field of the tensor and box tables as one array of little-endian integers, base64-encoded:
+decoding is a base64 decode, array checks over whole columns, and the tensor entries a load asks
+for, built when it asks (`TensorTable`).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+from typing import Dict, Iterator, List, Tuple
+
+import numpy as np
+
+from .errors import MetadataError
+from .format import StoredBox, TensorMeta, check_relative_path, dtype_from_name, need, require_int
+
+VERSION = 2
+# column -> element type; the tensor table has one row per tensor, the box table one per box
+TENSOR_COLUMNS = {"dtype": "<u1", "ndim": "<u1", "shape": "<i8", "boxes": "<i8"}
+BOX_COLUMNS = {"file": "<u4", "offset": "<i8", "nbytes": "<i8", "offsets": "<i8", "lengths": "<i8",
+               "crc32c": "<u4"}
+_MAX_ELEMENTS = 1 << 53  # a tensor's elements: float64 products of its dims stay exact below this
+
+
+def encode_tables(tensors: Dict[str, TensorMeta], files: Dict[str, int]) -> dict:
+    """The `files`, `dtypes`, `keys`, `tensors` and `boxes` fields of a version-2 metadata body."""
+    file_index = {name: i for i, name in enumerate(files)}
+    dtypes: Dict[str, int] = {}
+    t: Dict[str, list] = {c: [] for c in TENSOR_COLUMNS}
+    b: Dict[str, list] = {c: [] for c in BOX_COLUMNS}
+    for meta in tensors.values():
+        t["dtype"].append(dtypes.setdefault(meta.dtype, len(dtypes)))
+        t["ndim"].append(len(meta.shape))
+        t["shape"].extend(meta.shape)
+        t["boxes"].append(len(meta.boxes))
+        for box in meta.boxes:
+            b["file"].append(file_index[box.file])
+            b["offset"].append(box.offset)
+            b["nbytes"].append(box.nbytes)
+            b["offsets"].extend(box.offsets)
+            b["lengths"].extend(box.lengths)
+            b["crc32c"].extend(box.crc32c)
+    return {"files": [[name, size] for name, size in files.items()], "dtypes": list(dtypes),
+            "keys": list(tensors), "tensors": _encoded(t, TENSOR_COLUMNS), "boxes": _encoded(b, BOX_COLUMNS)}
+
+
+def _encoded(values: Dict[str, list], types: Dict[str, str]) -> Dict[str, str]:
+    return {c: base64.b64encode(np.asarray(values[c], dtype=types[c]).tobytes()).decode() for c in types}
+
+
+def decode_tables(raw: dict, chunk_bytes: int) -> Tuple["TensorTable", Dict[str, int]]:
+    """The tensor table and the file table of a version-2 body, every field checked."""
+    entries = raw.get("files")
+    need(isinstance(entries, list) and all(isinstance(e, list) and len(e) == 2 for e in entries),
+         "files must be a list of [path, size] pairs")
+    files = {check_relative_path(name): require_int(size, f"files.{name}") for name, size in entries}
+    need(len(files) == len(entries), "files names a file twice")
+    dtypes = raw.get("dtypes")
+    need(isinstance(dtypes, list), "dtypes must be a list")
+    itemsizes = np.array([dtype_from_name(d).itemsize for d in dtypes] + [0], dtype=np.int64)
+    keys = raw.get("keys")
+    need(isinstance(keys, list) and all(isinstance(k, str) for k in keys), "keys must be a list of strings")
+    t = _decoded(raw.get("tensors"), TENSOR_COLUMNS, "tensors")
+    b = _decoded(raw.get("boxes"), BOX_COLUMNS, "boxes")
+    rows = _Rows(t, b, len(keys), len(dtypes), chunk_bytes)
+    _check_boxes(rows, b, itemsizes, np.array(list(files.values()) + [0], dtype=np.int64), len(files))
+    return TensorTable(keys, dtypes, list(files), rows), files
+
+
+def _decoded(raw, types: Dict[str, str], what: str) -> Dict[str, np.ndarray]:
+    """The columns as int64 arrays; `crc32c`, most of the bytes, stays text (`Checksums`)."""
+    need(isinstance(raw, dict), f"{what} must be an object of columns")
+    columns = {}
+    for name, dtype in types.items():
+        text = raw.get(name)
+        need(isinstance(text, str), f"{what}.{name} must be a base64 string")
+        if name == "crc32c":
+            columns[name] = Checksums(text, f"{what}.{name}")
+            continue
+        data = _b64(text, f"{what}.{name}")
+        need(len(data) % np.dtype(dtype).itemsize == 0, f"{what}.{name} is not a whole number of elements")
+        columns[name] = np.frombuffer(data, dtype=dtype).astype(np.int64)
+    return columns
+
+
+def _b64(text: str, what: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise MetadataError(f"malformed metadata: {what} is not valid base64") from None
+
+
+class Checksums:
+    """The crc32c column, decoded a range at a time: base64 decodes in independent groups of 4
+    characters (3 bytes), so a load decodes only the checksums of the tensors it uses."""
+
+    def __init__(self, text: str, what: str):
+        padding = len(text) - len(text.rstrip("="))
+        need(len(text) % 4 == 0 and padding <= 2, f"{what} is not valid base64")
+        nbytes = len(text) // 4 * 3 - padding
+        need(nbytes % 4 == 0, f"{what} is not a whole number of elements")
+        self.text, self.what, self.count = text, what, nbytes // 4
+
+    def __len__(self) -> int:
+        return self.count
+
+    def values(self, start: int, end: int) -> List[int]:
+        """Checksums [start, end)."""
+        first, last = 4 * start // 3, -(-4 * end // 3)  # the 3-byte groups holding those bytes
+        data = _b64(self.text[4 * first:4 * last], self.what)
+        skip = 4 * start - 3 * first
+        return np.frombuffer(data[skip:skip + 4 * (end - start)], dtype="<u4").tolist()
+
+
+class _Rows:
+    """Where each tensor's and each box's pieces start in the columns (prefix sums), checked to
+    add up to the columns' lengths."""
+
+    def __init__(self, t: Dict[str, np.ndarray], b: Dict[str, np.ndarray], ntensors: int, ndtypes: int,
+                 chunk_bytes: int):
+        self.t, self.b, self.chunk_bytes = t, b, chunk_bytes
+        for name in TENSOR_COLUMNS:
+            if name != "shape":
+                need(len(t[name]) == ntensors, f"tensors.{name} needs one entry per key")
+        need(bool((t["dtype"] < ndtypes).all()), "tensors.dtype names a dtype the dtypes list lacks")
+        need(bool((t["ndim"] <= 64).all()) and bool((t["boxes"] >= 0).all()), "tensors.ndim or tensors.boxes out of range")
+        self.shape_start = _starts(t["ndim"])
+        need(len(t["shape"]) == self.shape_start[-1], "tensors.shape needs ndim entries per tensor")
+        need(bool((t["shape"] >= 0).all()), "tensors.shape must be >= 0")
+        self.box_start = _starts(t["boxes"])
+        nboxes = int(self.box_start[-1])
+        for name in ("file", "offset", "nbytes"):
+            need(len(b[name]) == nboxes, f"boxes.{name} needs one entry per box")
+        self.tensor_of_box = np.repeat(np.arange(ntensors), t["boxes"])
+        self.box_ndim = t["ndim"][self.tensor_of_box]
+        self.dim_start = _starts(self.box_ndim)
+        for name in ("offsets", "lengths"):
+            need(len(b[name]) == self.dim_start[-1], f"boxes.{name} needs one entry per box and dimension")
+        need(bool((b["nbytes"] >= 0).all()), "boxes.nbytes must be >= 0")
+        self.crc_start = _starts(np.maximum(1, -(-b["nbytes"] // chunk_bytes)))
+        need(len(b["crc32c"]) == self.crc_start[-1], "boxes.crc32c must hold one checksum per chunk of each box")
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    """Prefix sums with a leading 0: piece i spans [starts[i], starts[i + 1])."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _products(values: np.ndarray, starts: np.ndarray, dtype) -> np.ndarray:
+    """The product of each piece of `values` (1 for an empty piece)."""
+    out = np.ones(len(starts) - 1, dtype=dtype)
+    filled = starts[1:] > starts[:-1]
+    if filled.any():
+        out[filled] = np.multiply.reduceat(values.astype(dtype), starts[:-1][filled])
+    return out
+
+
+def _check_boxes(rows: _Rows, b: Dict[str, np.ndarray], itemsizes: np.ndarray, sizes: np.ndarray,
+                 nfiles: int) -> None:
+    t = rows.t
+    need(bool((_products(t["shape"], rows.shape_start, np.float64) < _MAX_ELEMENTS).all()),
+         "a tensor's shape has too many elements")
+    # each box dimension's extent in its tensor's shape
+    box_of_dim = np.repeat(np.arange(len(rows.box_ndim)), rows.box_ndim)
+    dim = np.arange(len(box_of_dim)) - rows.dim_start[box_of_dim]
+    extent = t["shape"][rows.shape_start[rows.tensor_of_box[box_of_dim]] + dim]
+    offsets, lengths = b["offsets"], b["lengths"]
+    need(bool(((offsets >= 0) & (lengths >= 0) & (offsets <= extent) & (lengths <= extent - offsets)).all()),
+         "a box lies outside its tensor's shape")
+    elements = _products(lengths, rows.dim_start, np.int64)
+    need(bool((b["nbytes"] == elements * itemsizes[t["dtype"][rows.tensor_of_box]]).all()),
+         "a box's nbytes disagrees with its box")
+    need(bool((b["file"] < nfiles).all()), "a box names a file the file table lacks")
+    size = sizes[np.minimum(b["file"], nfiles)]
+    need(bool(((b["offset"] >= 0) & (b["offset"] <= size) & (b["nbytes"] <= size - b["offset"])).all()),
+         "a box extends past the end of its file")
+
+
+class TensorTable(Mapping):
+    """The tensors of a version-2 checkpoint by key; an entry is built from the (already checked)
+    columns the first time it is used, so a rank pays only for the tensors its load touches."""
+
+    def __init__(self, keys: List[str], dtypes: List[str], files: List[str], rows: _Rows):
+        self._index = {k: i for i, k in enumerate(keys)}
+        need(len(self._index) == len(keys), "keys names a tensor twice")
+        self._dtypes, self._files, self._rows = dtypes, files, rows
+        t, b = rows.t, rows.b
+        # one row per tensor and per box, so that building an entry takes a slice of each
+        self._tensor_rows = np.stack([t["dtype"], rows.shape_start[:-1], rows.shape_start[1:],
+                                      rows.box_start[:-1], rows.box_start[1:]], axis=1)
+        self._box_rows = np.stack([b["file"], b["offset"], b["nbytes"], rows.dim_start[:-1], rows.dim_start[1:],
+                                   rows.crc_start[:-1], rows.crc_start[1:]], axis=1)
+        self._dims = np.stack([b["offsets"], b["lengths"]], axis=1)
+        self._built: Dict[str, TensorMeta] = {}
+
+    def __getitem__(self, key: str) -> TensorMeta:
+        meta = self._built.get(key)
+        if meta is None:
+            meta = self._built[key] = self._build(self._index[key])
+        return meta
+
+    def __contains__(self, key) -> bool:
+        return key in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _build(self, i: int) -> TensorMeta:
+        dtype, s0, s1, first, last = self._tensor_rows[i].tolist()
+        shape = tuple(self._rows.t["shape"][s0:s1].tolist())
+        rows = self._box_rows[first:last].tolist()
+        if not rows:
+            return TensorMeta(shape=shape, dtype=self._dtypes[dtype], boxes=[])
+        d, c = rows[0][3], rows[0][5]
+        dims = self._dims[d:rows[-1][4]].tolist()
+        crcs = self._rows.b["crc32c"].values(c, rows[-1][6])
+        boxes = [StoredBox(file=self._files[f], offset=offset, nbytes=nbytes, crc32c=crcs[c0 - c:c1 - c],
+                           offsets=tuple(x[0] for x in dims[d0 - d:d1 - d]),
+                           lengths=tuple(x[1] for x in dims[d0 - d:d1 - d]))
+                 for f, offset, nbytes, d0, d1, c0, c1 in rows]
+        return TensorMeta(shape=shape, dtype=self._dtypes[dtype], boxes=boxes)

@@ -1,0 +1,75 @@
+"""Metadata bytes: written in the current format version, read in every version ever written.
+
+The envelope (format marker, version, step, layout, objects, aliases) is the same JSON in every
+version; the tensor and file tables are version 1's JSON objects (`format_v1`) or version 2's
+columns (`format_v2`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from . import format_v1, format_v2
+from .errors import MetadataError
+from .format import (FORMAT_NAME, FORMAT_VERSION, Metadata, ObjectMeta, item_fields, need, require_dict,
+                     require_int)
+from .gcpause import gc_paused
+
+
+def encode_metadata(metadata: Metadata) -> bytes:
+    """`metadata` as the bytes of a current-version metadata file (its first bytes are the
+    format marker `is_checkpoint` looks for)."""
+    body = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "chunk_bytes": metadata.chunk_bytes,
+            "framework": metadata.framework, "layout": metadata.layout, "step": metadata.step,
+            "world_size": metadata.world_size, **format_v2.encode_tables(metadata.tensors, metadata.files),
+            "objects": {k: [asdict(o) for o in objs] for k, objs in metadata.objects.items()},
+            "aliases": metadata.aliases}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+@gc_paused
+def decode_metadata(data: bytes) -> Metadata:
+    """Parse and validate metadata bytes of any version. Raises MetadataError (or
+    UnsafePathError) only."""
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise MetadataError(f"metadata is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        raise MetadataError(f"metadata file is not a {FORMAT_NAME} checkpoint's (no 'format' marker)")
+    version = require_int(raw.get("version"), "version", 1)
+    if version > FORMAT_VERSION:
+        raise MetadataError(f"checkpoint format version {version} is newer than this ckpt_plugins "
+                            f"understands ({FORMAT_VERSION}); upgrade ckpt_plugins to load it")
+    chunk_bytes = require_int(raw.get("chunk_bytes"), "chunk_bytes", 1)
+    tables = format_v1 if version == 1 else format_v2
+    tensors, files = tables.decode_tables(raw, chunk_bytes)
+    objects = {}
+    for k, v in require_dict(raw.get("objects"), "objects").items():
+        need(isinstance(v, list), f"objects.{k} must be a list")
+        objects[k] = [_object(k, o, chunk_bytes) for o in v]
+    for key, objs in objects.items():
+        for item in objs:
+            need(item.file in files, f"{key} is stored in {item.file}, which the file table lacks")
+            need(item.offset + item.nbytes <= files[item.file], f"{key} extends past the end of {item.file}")
+    aliases = require_dict(raw.get("aliases", {}), "aliases")
+    for alias, target in aliases.items():
+        need(isinstance(target, str) and target in tensors, f"alias {alias} points to missing tensor {target!r}")
+    step = raw.get("step")
+    need(step is None or type(step) is int, "step must be an integer or null")
+    layout = require_dict(raw.get("layout", {}), "layout")
+    framework = raw.get("framework")
+    need(isinstance(framework, str), "framework must be a string")
+    return Metadata(tensors=tensors, objects=objects, files=files, aliases=aliases,
+                    framework=framework, layout=layout, step=step,
+                    world_size=require_int(raw.get("world_size"), "world_size", 1),
+                    version=version, chunk_bytes=chunk_bytes)
+
+
+def _object(key: str, raw: dict, chunk_bytes: int) -> ObjectMeta:
+    raw = require_dict(raw, f"object {key}")
+    meta = ObjectMeta(**item_fields(raw, f"object {key}", chunk_bytes),
+                      encoding=raw.get("encoding"), rank=raw.get("rank"))
+    need(meta.encoding in ("json", "torch"), f"object {key} has unknown encoding {meta.encoding!r}")
+    need(meta.rank is None or type(meta.rank) is int, f"object {key}.rank must be an integer or null")
+    return meta
