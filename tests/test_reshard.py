@@ -95,6 +95,22 @@ def load_worker(rank, world, cases):
                                             .save_items("").fragments)
 
 
+def two_hosts_load_worker(rank, world, cases, hosts_dir, opens_dir):
+    """load_worker on 2 simulated hosts (ranks 0, 1 and 2, 3), through a storage that notes every
+    read of the metadata file."""
+    from faults import FaultyStorage
+    from ckpt_plugins._src import shm
+    host = "ab"[rank * 2 // world]
+    os.environ[shm.HOST_ENV], os.environ[shm.SHM_DIR_ENV] = host, os.path.join(hosts_dir, host)
+    os.makedirs(os.environ[shm.SHM_DIR_ENV], exist_ok=True)
+
+    def note(name, offset=0):
+        if name == "metadata.json":
+            open(os.path.join(opens_dir, f"{host}-{rank}-{len(os.listdir(opens_dir))}"), "w").close()
+    FaultyStorage.FAULTS.update(read_bytes=note, read_into=note)
+    load_worker(rank, world, [(spec, f"faulty://{path}", ref) for spec, path, ref in cases])
+
+
 def load_plain(path, ref_path):
     model, opt = build(seed=3)
     result = cp.load(path, {"model": model, "optim": opt}, verify=True)
@@ -113,12 +129,18 @@ def test_dtensor_reshard_across_world_sizes_meshes_and_placements(tmp_path):
     cp.save(b, {"model": model, "optim": opt})
     torch.save(full_state(model, opt), refs["b"])
     load_plain(a, refs["a"])  # 2 -> 1
-    run_ranks(4, load_worker, [
+    hosts, opens = tmp_path / "hosts", tmp_path / "opens"
+    opens.mkdir()
+    run_ranks(4, two_hosts_load_worker, [
         (["S1"], a, refs["a"]),  # 2 -> 4, Shard(0) -> Shard(1)
         (["S0"], b, refs["b"]),  # 1 -> 4
         (["S0", "S1"], a, refs["a"]),  # 1-D -> 2-D mesh
         (["R", "S0"], b, refs["b"]),
-    ])
+    ], str(hosts), str(opens))
+    # 4 loads on 2 hosts: the metadata was opened once per host and load, by one of its ranks
+    noted = sorted(n.split("-")[0] for n in os.listdir(opens))
+    assert noted == ["a"] * 4 + ["b"] * 4, noted
+    assert sorted(os.listdir(hosts / "a")) == sorted(os.listdir(hosts / "b")) == []  # nothing left behind
     run_ranks(4, save_worker, ["S1", "R"], c, refs["c"])  # 2-D mesh, 4 ranks
     run_ranks(2, load_worker, [(["S1"], c, refs["c"]), (["R"], c, refs["c"])])  # 4 -> 2
     load_plain(c, refs["c"])

@@ -2,11 +2,12 @@
 commit), its data files, its objects. Any storage backend."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, NotACheckpointError
 from .foreign import ComputedObject, detect, read_foreign, readers
-from .format import DATA_DIR, FORMAT_NAME, METADATA_FILE, Metadata, decode_metadata
+from .format import DATA_DIR, FORMAT_NAME, METADATA_FILE, Metadata
+from .metadata_codec import decode_metadata
 from .objects import decode_object
 from .storage import Storage, storage_for
 
@@ -65,6 +66,23 @@ def read_metadata(path) -> Metadata:
                                   f"and is none of the formats read in place ({', '.join(readers())})")
     except OSError as exc:
         raise NotACheckpointError(f"{storage} cannot be read as a checkpoint: {exc}") from None
+
+
+def read_committed(storage: Storage) -> Tuple[Metadata, Optional[bytes]]:
+    """`read_metadata` with the data files checked (`check_files`), and the metadata's bytes when
+    the checkpoint is of this format (read in one go: the marker is checked on them)."""
+    data = None
+    try:
+        if storage.exists(METADATA_FILE):
+            data = storage.read_bytes(METADATA_FILE)
+    except OSError:
+        data = None
+    if data is not None and data.startswith(_MARK):
+        metadata = decode_metadata(data)
+    else:
+        data, metadata = None, read_metadata(storage)
+    check_files(storage, metadata)
+    return metadata, data
 
 
 def check_files(storage: Storage, metadata: Metadata) -> None:

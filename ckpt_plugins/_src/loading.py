@@ -15,11 +15,12 @@ from typing import Any, Dict, List, Optional
 
 from . import shm
 from .base_ref import BASE, reference, resolve
-from .committed import check_files, read_metadata, read_object
+from .committed import read_object
 from .coordinator import Coordinator
 from .engine.exchange import ReadWork, read_items
 from .foreign.view import ForeignMetadata, transformed
 from .format import stored_entries
+from .host_share import HostMetadata
 from .fragment import Fragment
 from .errors import CheckpointError, LoadMismatchError
 from .plan import (LoadPlan, ReadItem, ReadRequest, Run, StoredItem, Transfer, assign_transfers, candidate_keys,
@@ -55,6 +56,7 @@ class Load:
         self.transforms = 0  # the first finish steps: the transforms'
         self.loaded: List[Filled] = []  # verify: what landed in them
         self.metadata, self.plan, self.requests, self.before = None, None, [], 0
+        self.shared = HostMetadata(storage)
         self.recorder = Recorder("load", backend_of(storage), coord.rank, enabled=telemetry)
         self.recorder.record.info["path"] = str(storage)
 
@@ -76,7 +78,10 @@ class Load:
         self.before = coord.collectives
         planned = []
         t0 = time.time()
-        self.requests = coord.agreed(lambda: self._request(planned), what=self.what, then="Nothing was loaded")
+        try:
+            self.requests = coord.agreed(lambda: self._request(planned), what=self.what, then="Nothing was loaded")
+        finally:  # every rank has read the metadata by now
+            self.shared.release()
         recorder.add("agree", planned[0] if planned else t0, time.time())
         paths = sorted({r.path for r in self.requests})
         if len(paths) > 1:  # every rank sees all of them: every rank raises this
@@ -92,8 +97,7 @@ class Load:
         (`planned` gets the time it was done)."""
         recorder, request = self.recorder, LoadRequest(host=shm.host_key(), path=self.storage.identity)
         with recorder.phase("metadata"):
-            self.metadata = metadata = read_metadata(self.storage)
-            check_files(self.storage, metadata)
+            self.metadata = metadata = self.shared.read()
         t = time.time()
         self.items = items = root_handler(self.state).load_items("", metadata)
         self.targets, steps = items.fragments, len(items.finish)

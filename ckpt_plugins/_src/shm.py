@@ -55,14 +55,14 @@ def remove_stale() -> None:
         return
     for name in names:
         m = _NAME.fullmatch(name)
-        if m and not _alive(int(m.group(1))):
+        if m and not alive(int(m.group(1))):
             try:
                 os.unlink(os.path.join(directory, name))
             except OSError:
                 pass
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
         return True
