@@ -328,6 +328,24 @@ def cold_model(layers: int, dim: int, path: str, rank: int) -> tuple:
     return fresh, fresh_opt
 
 
+def resident() -> int:
+    """This process's resident memory now, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak() -> None:
+    """Start a new peak: VmHWM restarts from the resident memory now (Linux clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak() -> int:
+    """This process's peak resident memory since the last reset_peak, in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def timed_save(methods: Methods, name: str, path: str, model, opt) -> tuple:
     """(stall, time to commit) of one save, started together on every rank."""
     dist.barrier()
@@ -471,6 +489,7 @@ def first_save_worker(rank: int, world: int, port: int, args, name: str, warm: b
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     model, opt = build(args.layers, fsdp=True)
     train_step(model, opt, 0)
+    baseline = resident()  # training's own memory: the model, its gradients and optimizer state
     methods = Methods(world, [name])
     if not methods.available(name):
         if rank == 0:
@@ -486,13 +505,17 @@ def first_save_worker(rank: int, world: int, port: int, args, name: str, warm: b
         train_step(model, opt, step)
     steps = time.perf_counter() - t0
     path = os.path.join(args.root, f"first_{name}")
+    reset_peak()
     stall, commit = timed_save(methods, name, path, model, opt)
-    out = [max(v, 0.0) for v in (stall, commit, steps)]
+    # what the method holds beyond training's memory at its peak: its staging (a warm-up's
+    # included), buffers and threads, from the save call until the checkpoint is durable
+    memory = peak() - baseline
+    out = [max(v, 0.0) for v in (stall, commit, steps)] + [float(memory)]
     t = torch.tensor(out, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump(dict(zip(("stall", "commit", "steps"), t.tolist())), f)
+            json.dump(dict(zip(("stall", "commit", "steps", "memory"), t.tolist())), f)
         shutil.rmtree(path, ignore_errors=True)
     dist.barrier()
     if methods.ckpt is not None:
@@ -623,7 +646,9 @@ def report(args, results, resharded, firsts) -> None:
           f"{resharded['_touch']:.3f} s (2->1 limit {resharded['_read_limit'] + resharded['_touch']:.3f} s)")
     if firsts:
         print("\nfirst saves, each in a fresh process tree (stall and commit, and / the steady-state medians "
-              "below; steps: the two training steps before the save, beside ours' warm-up)")
+              "below; steps: the two training steps before the save, beside ours' warm-up; memory: the largest "
+              "rank's peak resident memory from the save call to its commit, above its memory after the first "
+              "training step, and / the rank's checkpoint bytes)")
         for name, r in firsts.items():
             base = name.split(" ")[0]
             steady = results["methods"].get(base)
@@ -631,14 +656,16 @@ def report(args, results, resharded, firsts) -> None:
                 print(f"  {name:<28} not measured ({r.get('error', 'no steady state')})")
                 continue
             print(f"  {name:<28} stall {r['stall']:.3f} s ({r['stall'] / med(steady['stall']):.2f}x), commit "
-                  f"{r['commit']:.3f} s ({r['commit'] / med(steady['commit']):.2f}x), steps {r['steps']:.3f} s")
+                  f"{r['commit']:.3f} s ({r['commit'] / med(steady['commit']):.2f}x), steps {r['steps']:.3f} s, "
+                  f"memory +{r['memory'] / 2**20:.0f} MiB ({r['memory'] / rank_bytes:.2f}x)")
     if "bytecheckpoint_error" in results:
         print(f"bytecheckpoint: not measured ({results['bytecheckpoint_error']})")
     rows = {}
     for name, r in results["methods"].items():
         rows[name] = {"stall": med(r["stall"]), "loop": med(r["loop"]), "commit": med(r["commit"]),
                       "load": med(r["load"]), "cols": med(r["cols"]), "reshard": med(resharded[name]["load"]) if "load" in resharded.get(name, {}) else math.nan,
-                      "ok": r["ok"] and resharded.get(name, {}).get("ok", False), "bytes": r["bytes"]}
+                      "ok": r["ok"] and resharded.get(name, {}).get("ok", False), "bytes": r["bytes"],
+                      "memory": (firsts or {}).get(name, {}).get("memory", math.nan)}
     peers = [p for p in PEERS if p in rows]
     columns = ("stall", "loop", "commit", "load", "cols", "reshard")
     best = {k: min(rows[p][k] for p in peers) if peers else math.nan for k in columns}
@@ -647,10 +674,10 @@ def report(args, results, resharded, firsts) -> None:
              "reshard": resharded["_read_limit"] + resharded["_touch"], "loop": math.nan}
     cached = {"load": lim["read_cached"], "cols": lim["read_cached"], "reshard": resharded["_read_cached"]}
     print(f"\n{'method':<17}{'stall s':>9}{'loop +s':>9}{'commit s':>10}{'load s':>9}{'cols s':>9}{'2->1 s':>9}"
-          f"{'GiB':>6}  bit-exact")
+          f"{'GiB':>6}{'+MiB':>7}  bit-exact   (+MiB: peak host memory per rank above training's, first saves)")
     for name, r in rows.items():
         print(f"{name:<17}{r['stall']:>9.3f}{r['loop']:>9.3f}{r['commit']:>10.3f}{r['load']:>9.3f}{r['cols']:>9.3f}"
-              f"{r['reshard']:>9.3f}{r['bytes'] / 2**30:>6.2f}  {'yes' if r['ok'] else 'NO'}")
+              f"{r['reshard']:>9.3f}{r['bytes'] / 2**30:>6.2f}{r['memory'] / 2**20:>7.0f}  {'yes' if r['ok'] else 'NO'}")
         if name in resharded and "error" in resharded[name]:
             print(f"{'':<17}2->1 load failed: {resharded[name]['error']}")
     print("\nratios: ours / best peer, and ours / machine limit (stall vs copy, commit vs O_DIRECT write, "

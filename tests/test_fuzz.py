@@ -187,6 +187,23 @@ def test_a_mutated_column_element_loads_right_or_fails_with_our_errors(valid, tm
     assert FileAudit.escapes == [], FileAudit.escapes
 
 
+@pytest.mark.parametrize("table,name,values", [
+    ("tensors", "boxes", "wrap"),  # counts whose sum wraps around to exactly the boxes there are
+    ("tensors", "boxes", [2**62, 2**62]),
+    ("boxes", "nbytes", [2**62] * 8),  # a box of more chunks than the checksum column holds
+    ("tensors", "shape", [2**40] * 16),  # a tensor of more elements than any float product holds exactly
+])
+def test_column_values_that_would_overflow_are_metadata_errors(valid, table, name, values):
+    raw = json.loads((valid / "metadata.json").read_text())
+    width = len(np.frombuffer(base64.b64decode(raw[table][name]), dtype=(TENSOR_COLUMNS | BOX_COLUMNS)[name]))
+    if values == "wrap":
+        boxes = len(np.frombuffer(base64.b64decode(raw["boxes"]["file"]), dtype="<u4"))
+        values = [2**63 - 1, 2**63 - 1, boxes + 2] + [0] * (width - 3)  # 2**64 + boxes
+    raw[table][name] = base64.b64encode(np.array(values[:width], dtype="<i8").tobytes()).decode()
+    with pytest.raises(cp.MetadataError):
+        decode_metadata(json.dumps(raw).encode())
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_mutated_data_files_load_right_or_fail_as_corrupt(valid, tmp_path, data):

@@ -19,7 +19,6 @@ import numpy as np
 from .errors import MetadataError
 from .format import StoredBox, TensorMeta, check_relative_path, dtype_from_name, need, require_int
 
-VERSION = 2
 # column -> element type; the tensor table has one row per tensor, the box table one per box
 TENSOR_COLUMNS = {"dtype": "<u1", "ndim": "<u1", "shape": "<i8", "boxes": "<i8"}
 BOX_COLUMNS = {"file": "<u4", "offset": "<i8", "nbytes": "<i8", "offsets": "<i8", "lengths": "<i8",
@@ -128,7 +127,9 @@ class _Rows:
             if name != "shape":
                 need(len(t[name]) == ntensors, f"tensors.{name} needs one entry per key")
         need(bool((t["dtype"] < ndtypes).all()), "tensors.dtype names a dtype the dtypes list lacks")
-        need(bool((t["ndim"] <= 64).all()) and bool((t["boxes"] >= 0).all()), "tensors.ndim or tensors.boxes out of range")
+        # every count is bounded by the column it counts into, so no prefix sum can overflow
+        need(bool((t["ndim"] <= 64).all()) and bool(((t["boxes"] >= 0) & (t["boxes"] <= len(b["file"]))).all()),
+             "tensors.ndim or tensors.boxes out of range")
         self.shape_start = _starts(t["ndim"])
         need(len(t["shape"]) == self.shape_start[-1], "tensors.shape needs ndim entries per tensor")
         need(bool((t["shape"] >= 0).all()), "tensors.shape must be >= 0")
@@ -142,7 +143,9 @@ class _Rows:
         for name in ("offsets", "lengths"):
             need(len(b[name]) == self.dim_start[-1], f"boxes.{name} needs one entry per box and dimension")
         need(bool((b["nbytes"] >= 0).all()), "boxes.nbytes must be >= 0")
-        self.crc_start = _starts(np.maximum(1, -(-b["nbytes"] // chunk_bytes)))
+        chunks = np.maximum(1, -(-b["nbytes"] // chunk_bytes))
+        need(bool((chunks <= len(b["crc32c"])).all()), "boxes.crc32c must hold one checksum per chunk of each box")
+        self.crc_start = _starts(chunks)
         need(len(b["crc32c"]) == self.crc_start[-1], "boxes.crc32c must hold one checksum per chunk of each box")
 
 
