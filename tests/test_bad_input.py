@@ -208,3 +208,19 @@ def test_shared_memory_segments_are_only_ours():
     for path in ("/etc/passwd", "/dev/shm/../etc/passwd", "/dev/shm/other-1-0123456789abcdef", "/tmp/ckpt_plugins-1-0123456789abcdef"):
         with pytest.raises(ValueError, match="not a ckpt_plugins shared-memory segment"):
             shm.Segment.attach(path)
+
+
+def test_a_full_shared_memory_directory_leaves_each_rank_to_read_the_metadata_itself(ckpt, tmp_path, monkeypatch):
+    """The copy of the metadata a load leaves for the host's other ranks has no room: the load goes
+    on, reading from storage, and leaves nothing behind."""
+    from ckpt_plugins._src import host_share, shm
+    monkeypatch.setenv(shm.SHM_DIR_ENV, str(tmp_path / "shm"))
+    os.makedirs(tmp_path / "shm")
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(host_share.os, "replace", full)
+    m = model(seed=1)
+    cp.load(ckpt, {"model": m})
+    assert all(torch.equal(a, b) for a, b in zip(model().state_dict().values(), m.state_dict().values()))
+    assert os.listdir(tmp_path / "shm") == []

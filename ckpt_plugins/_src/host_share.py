@@ -41,7 +41,10 @@ class HostMetadata:
         directory = shm.shm_dir()
         name = _PREFIX + hashlib.sha256(self.storage.identity.encode()).hexdigest()[:24]
         lock_path = os.path.join(directory, name + ".lock")
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+        except OSError:  # a full or read-only directory: read from storage
+            return read_committed(self.storage)[0]
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             data = _published(directory, name)
@@ -49,7 +52,8 @@ class HostMetadata:
                 return decode_metadata(data)  # its publisher checked the files
             metadata, data = read_committed(self.storage)
             if data is not None:
-                self.published, self.lock_path = _publish(directory, name, data), lock_path
+                self.lock_path = lock_path
+                self.published = _publish(directory, name, data)
             return metadata
         finally:
             os.close(fd)  # releases the lock
@@ -85,10 +89,19 @@ def _published(directory: str, name: str) -> Optional[bytes]:
     return None
 
 
-def _publish(directory: str, name: str, data: bytes) -> str:
+def _publish(directory: str, name: str, data: bytes) -> Optional[str]:
+    """The path of the copy left for the host's other ranks; None when there is no room for it
+    (they then read the storage themselves)."""
     path = os.path.join(directory, f"{name}-{os.getpid()}")
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)  # whole or absent
-    return path
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)  # whole or absent
+        return path
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        return None
