@@ -63,7 +63,7 @@ def decode_tables(raw: dict, chunk_bytes: int) -> Tuple["TensorTable", Dict[str,
     need(isinstance(dtypes, list), "dtypes must be a list")
     itemsizes = np.array([dtype_from_name(d).itemsize for d in dtypes] + [0], dtype=np.int64)
     keys = raw.get("keys")
-    need(isinstance(keys, list) and all(isinstance(k, str) for k in keys), "keys must be a list of strings")
+    need(isinstance(keys, list) and set(map(type, keys)) <= {str}, "keys must be a list of strings")
     t = _decoded(raw.get("tensors"), TENSOR_COLUMNS, "tensors")
     b = _decoded(raw.get("boxes"), BOX_COLUMNS, "boxes")
     rows = _Rows(t, b, len(keys), len(dtypes), chunk_bytes)
@@ -191,7 +191,7 @@ class TensorTable(Mapping):
     columns the first time it is used, so a rank pays only for the tensors its load touches."""
 
     def __init__(self, keys: List[str], dtypes: List[str], files: List[str], rows: _Rows):
-        self._index = {k: i for i, k in enumerate(keys)}
+        self._index = dict(zip(keys, range(len(keys))))
         need(len(self._index) == len(keys), "keys names a tensor twice")
         self._dtypes, self._files, self._rows = dtypes, files, rows
         t, b = rows.t, rows.b
