@@ -184,8 +184,10 @@ def rank_main(rank: int, life: Life, workdir: str, port: int, env: Dict[str, str
         if not isinstance(exc, cp.CheckpointError):
             report["unexpected"] = traceback.format_exc()
             code = 1
-    with open(os.path.join(workdir, "reports", f"{life.number}-{rank}.json"), "w") as f:
+    path = os.path.join(workdir, "reports", f"{life.number}-{rank}.json")
+    with open(path + ".tmp", "w") as f:  # whole or absent: a lost host's rank may die while writing it
         json.dump(report, f)
+    os.replace(path + ".tmp", path)
     os._exit(code)
 
 
