@@ -48,7 +48,9 @@ def checkpoint_format(path) -> Optional[str]:
 
 def read_metadata(path) -> Metadata:
     """The committed metadata at `path`, validated; raises a clear CheckpointError otherwise. A
-    checkpoint in another format (HF safetensors, PyTorch DCP, ...) gives its foreign view."""
+    checkpoint in another format (HF safetensors, PyTorch DCP, ...) gives its foreign view.
+    `metadata.tensors` maps each stored key to its `TensorMeta` (shape, dtype, boxes): a read-only
+    mapping that builds an entry when it is first looked up."""
     storage = _storage(path)
     try:
         if is_checkpoint(storage):

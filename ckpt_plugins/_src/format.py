@@ -11,7 +11,7 @@ import math
 import posixpath
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import crc32c as _crc32c
 import torch
@@ -107,7 +107,7 @@ class ObjectMeta(StoredItem):
 
 @dataclass
 class Metadata:
-    tensors: Dict[str, TensorMeta]
+    tensors: Mapping[str, TensorMeta]  # a dict when written; decoded, a read-only TensorTable
     objects: Dict[str, List[ObjectMeta]]
     files: Dict[str, int]  # data file -> expected size in bytes
     aliases: Dict[str, str] = field(default_factory=dict)  # tied key -> stored key
