@@ -144,10 +144,11 @@ def stop(server: S3Server) -> None:
 
 class CuttingProxy:
     """A TCP proxy to the S3 port that resets connections: `cuts` times once `after` bytes went
-    upstream (mid-upload), or every connection while `down`."""
+    upstream (mid-upload), or every connection while `down`; while `silent`, it answers none."""
 
     def __init__(self, upstream_port: int, after: int = 0, cuts: int = 0):
         self.upstream, self.after, self.cuts, self.down = upstream_port, after, cuts, False
+        self.silent = False  # accept connections and never answer (a server that stopped responding)
         self.sent = 0
         self.lock = threading.Lock()
         self.server = socket.create_server(("127.0.0.1", 0))
@@ -163,6 +164,9 @@ class CuttingProxy:
                 return
             if self.down:
                 _reset(client)
+                continue
+            if self.silent:
+                self.conns.append((client,))
                 continue
             upstream = socket.create_connection(("127.0.0.1", self.upstream))
             self.conns.append((client, upstream))

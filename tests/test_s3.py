@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ckpt_plugins as cp
+from ckpt_plugins._src.storage.fsspec import FsspecStorage
 import s3_server
 from ckpt_plugins._src.storage import storage_for
 from distributed import run_ranks
@@ -98,6 +99,25 @@ def test_permanent_errors_fail_at_once_with_the_storage_message(s3, monkeypatch)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.SECRET_KEY)
     with pytest.raises(cp.NotACheckpointError):
         cp.load("s3://no-such-bucket/x", {"w": torch.zeros(8)})
+
+
+def test_a_server_that_stops_answering_fails_the_save_in_bounded_time(s3, monkeypatch):
+    """The store accepts connections and answers none: the save fails within the storage's
+    `timeout` plus one attempt (here 2 s and 1 s timeouts), where nested retries (ours, s3fs's,
+    botocore's) held it for minutes."""
+    proxy = s3_server.CuttingProxy(s3.port)
+    proxy.silent = True
+    try:
+        for key, value in s3.env(f"http://127.0.0.1:{proxy.port}").items():
+            monkeypatch.setenv(key, value)
+        storage = FsspecStorage("s3://ckpt/silent/step_1", timeout=2,
+                                config_kwargs={"read_timeout": 1, "connect_timeout": 1})
+        t = time.time()
+        with pytest.raises(cp.SaveError, match="ReadTimeout|timed out|Timeout"):
+            cp.save(storage, {"w": torch.randn(8)})
+        assert time.time() - t < 15
+    finally:
+        proxy.close()
 
 
 def save_through(rank, world, url, env, state_seed):

@@ -4,7 +4,8 @@ The commit never relies on rename: data objects are written first, the metadata 
 its presence is the commit (an object PUT is all-or-nothing). Data files are uploaded as multipart
 uploads by the fsspec file object (several files per rank upload in parallel); reads are ranged
 and run in parallel from the engine's read threads. Every call is retried with exponential backoff
-on transient errors (connection resets, timeouts, 5xx, throttling), a bounded number of times;
+on transient errors (connection resets, timeouts, 5xx, throttling), a bounded number of times
+within a bounded time (the client's own retries are off, so that they do not multiply ours);
 permanent ones (403, 404, bad credentials) fail at once with the storage's own message.
 Credentials come from the standard places (environment, fsspec config, the provider's files): they
 are never taken from or written into the checkpoint, and paths are shown without them.
@@ -49,7 +50,12 @@ def redact(url: str) -> str:
 
 
 class FsspecStorage(Storage):
-    def __init__(self, url: str, retries: int = 6, backoff: float = 0.25, max_backoff: float = 8.0, **options):
+    def __init__(self, url: str, retries: int = 6, backoff: float = 0.25, max_backoff: float = 8.0,
+                 timeout: float = 60.0, **options):
+        """`retries` of each operation on transient errors, with backoff from `backoff` up to
+        `max_backoff` s; none starts once `timeout` s have passed since the first attempt, so a
+        store that stops answering fails an operation within `timeout` plus one attempt (s3fs's
+        own timeouts: 5 s to connect, 15 s without data)."""
         fsspec = require("fsspec", redact(url))
         if url.startswith("s3://"):
             require("s3fs", redact(url))
@@ -59,13 +65,20 @@ class FsspecStorage(Storage):
             raise ValueError(f"{redact(url)}: credentials in the URL are refused; set them in the environment "
                              "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ...) or the fsspec config")
         self.url = url.rstrip("/")
-        self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self.retries, self.backoff, self.max_backoff, self.timeout = retries, backoff, max_backoff, timeout
         self.retried = 0  # transient failures retried so far (telemetry)
         # no cached listings: other ranks and jobs write into the same prefix
         options.setdefault("skip_instance_cache", True)
         if self.url.startswith("s3://"):
             options.setdefault("use_listings_cache", False)
+            # one retry layer, whose time is bounded: botocore's and s3fs's own retries would
+            # multiply it (a server that stops answering then held a rank for many minutes)
+            config = dict(options.get("config_kwargs") or {})
+            config.setdefault("retries", {"mode": "standard", "max_attempts": 1})
+            options["config_kwargs"] = config
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
+        if self.url.startswith("s3://"):
+            self.fs.retries = 1  # s3fs's retry loop: one attempt (its constructor's `retries`)
         self.root = self.root.rstrip("/")
 
     def __str__(self) -> str:
@@ -81,12 +94,12 @@ class FsspecStorage(Storage):
         return "/".join([self.root] + parts)
 
     def retry(self, what: str, fn: Callable[[], T]) -> T:
-        delay = self.backoff
+        delay, deadline = self.backoff, time.monotonic() + self.timeout
         for attempt in range(self.retries + 1):
             try:
                 return fn()
             except Exception as exc:
-                if attempt == self.retries or not is_transient(exc):
+                if attempt == self.retries or not is_transient(exc) or time.monotonic() + delay > deadline:
                     raise
                 log.warning("%s on %s failed (%s: %s); retry %d/%d in %.2f s", what, self, type(exc).__name__,
                             exc, attempt + 1, self.retries, delay)
