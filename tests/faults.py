@@ -177,7 +177,7 @@ def local_path(path: str) -> str:
 def arm(case: Case, rank: int, world: int, armed: Armed, path: str, mark: str) -> List[Callable[[], None]]:
     """Arm `case` in this process (a no-op on ranks it does not concern); returns the disarms.
     `path`: the checkpoint a load case reads (corruptions are made by rank 0 before the load)."""
-    from ckpt_plugins._src import hostmem, shm
+    from ckpt_plugins._src import host_share, hostmem, shm
     from ckpt_plugins._src.engine import channels
 
     undo: List[Callable[[], None]] = []
@@ -224,8 +224,8 @@ def arm(case: Case, rank: int, world: int, armed: Armed, path: str, mark: str) -
         storage_fault("write", lambda writer, data: act(case, mark))
     elif phase == "commit":
         storage_fault("put_atomic", lambda name: act(case, mark) if name == "metadata.json" else None)
-    elif phase == "metadata":
-        storage_fault("read_bytes", lambda name: act(case, mark) if name == "metadata.json" else None)
+    elif phase == "metadata":  # where this rank gets it: the storage, or its host's copy (host_share)
+        patch(host_share.HostMetadata, "read", lambda original: lambda *a, **k: act(case, mark))
     elif phase in ("own_read", "shared_read"):
         file, start, end = stored_range(path, "own", case.rank * ROWS) if phase == "own_read" else \
             stored_range(path, "rep")

@@ -24,7 +24,7 @@ from .format import Metadata
 from .metadata_codec import decode_metadata
 from .storage import Storage
 
-_PREFIX = "ckpt_plugins-meta-"
+_PREFIX = "ckpt_plugins_meta-"  # apart from the segments (ckpt_plugins-<pid>-<hex>)
 
 
 class HostMetadata:
@@ -33,7 +33,6 @@ class HostMetadata:
     def __init__(self, storage: Storage):
         self.storage = storage
         self.published: Optional[str] = None
-        self.lock_path: Optional[str] = None
 
     def read(self) -> Metadata:
         if shm.host_key() is None:  # no shared-memory directory here: each rank reads
@@ -52,21 +51,25 @@ class HostMetadata:
                 return decode_metadata(data)  # its publisher checked the files
             metadata, data = read_committed(self.storage)
             if data is not None:
-                self.lock_path = lock_path
                 self.published = _publish(directory, name, data)
             return metadata
         finally:
+            # Ranks already waiting keep the unlinked lock; one coming later takes a fresh one and
+            # finds the copy. Without a copy two may then read the storage: only a repeated read.
+            try:
+                os.unlink(lock_path)
+            except FileNotFoundError:
+                pass
             os.close(fd)  # releases the lock
 
     def release(self) -> None:
         """Remove the published copy (once every rank of the host has read it)."""
-        for path in (self.published, self.lock_path):
-            if path is not None:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-        self.published = self.lock_path = None
+        if self.published is not None:
+            try:
+                os.unlink(self.published)
+            except FileNotFoundError:
+                pass
+        self.published = None
 
 
 def _published(directory: str, name: str) -> Optional[bytes]:
