@@ -51,15 +51,29 @@ def read_metadata(path) -> Metadata:
     checkpoint in another format (HF safetensors, PyTorch DCP, ...) gives its foreign view.
     `metadata.tensors` maps each stored key to its `TensorMeta` (shape, dtype, boxes): a read-only
     mapping that builds an entry when it is first looked up."""
-    storage = _storage(path)
+    return _read(_storage(path))[0]
+
+
+def read_committed(storage: Storage) -> Tuple[Metadata, Optional[bytes]]:
+    """`read_metadata` with the data files checked (`check_files`), and the metadata's bytes when
+    the checkpoint is of this format."""
+    metadata, data = _read(storage)
+    check_files(storage, metadata)
+    return metadata, data
+
+
+def _read(storage: Storage) -> Tuple[Metadata, Optional[bytes]]:
+    """The metadata, and its bytes when they are of this format (the file is read once, its
+    marker checked on them)."""
     try:
-        if is_checkpoint(storage):
-            return decode_metadata(storage.read_bytes(METADATA_FILE))
+        data = storage.read_bytes(METADATA_FILE) if storage.exists(METADATA_FILE) else None
+        if data is not None and data.startswith(_MARK):
+            return decode_metadata(data), data
         foreign = read_foreign(storage)
         if foreign is not None:
-            return foreign
-        if storage.exists(METADATA_FILE):
-            return decode_metadata(storage.read_bytes(METADATA_FILE))  # says what is wrong with it
+            return foreign, None
+        if data is not None:
+            return decode_metadata(data), None  # says what is wrong with it
         if storage.exists(DATA_DIR):
             raise IncompleteCheckpointError(
                 f"{storage} is an incomplete checkpoint: its save never committed (no {METADATA_FILE}). "
@@ -68,23 +82,6 @@ def read_metadata(path) -> Metadata:
                                   f"and is none of the formats read in place ({', '.join(readers())})")
     except OSError as exc:
         raise NotACheckpointError(f"{storage} cannot be read as a checkpoint: {exc}") from None
-
-
-def read_committed(storage: Storage) -> Tuple[Metadata, Optional[bytes]]:
-    """`read_metadata` with the data files checked (`check_files`), and the metadata's bytes when
-    the checkpoint is of this format (read in one go: the marker is checked on them)."""
-    data = None
-    try:
-        if storage.exists(METADATA_FILE):
-            data = storage.read_bytes(METADATA_FILE)
-    except OSError:
-        data = None
-    if data is not None and data.startswith(_MARK):
-        metadata = decode_metadata(data)
-    else:
-        data, metadata = None, read_metadata(storage)
-    check_files(storage, metadata)
-    return metadata, data
 
 
 def check_files(storage: Storage, metadata: Metadata) -> None:
