@@ -160,3 +160,9 @@ def item_fields(raw: dict, what: str, chunk_bytes: int) -> dict:
          f"{what}.crc32c must hold one checksum per chunk")
     return dict(file=check_relative_path(raw.get("file")), offset=require_int(raw.get("offset"), f"{what}.offset"),
                 nbytes=nbytes, crc32c=crc)
+
+
+def check_in_file(key: str, item: StoredItem, files: Dict[str, int]) -> None:
+    """`item` lies in a file of the file table, inside its expected size."""
+    need(item.file in files, f"{key} is stored in {item.file}, which the file table lacks")
+    need(item.offset + item.nbytes <= files[item.file], f"{key} extends past the end of {item.file}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Dict, Tuple
 
-from .format import (StoredBox, TensorMeta, check_relative_path, dtype_from_name, item_fields, need, require_dict,
+from .format import (StoredBox, TensorMeta, check_in_file, check_relative_path, dtype_from_name, item_fields, need, require_dict,
                      require_int, require_ints)
 
 
@@ -16,8 +16,7 @@ def decode_tables(raw: dict, chunk_bytes: int) -> Tuple[Dict[str, TensorMeta], D
              for f, n in require_dict(raw.get("files"), "files").items()}
     for key, meta in tensors.items():
         for box in meta.boxes:
-            need(box.file in files, f"{key} is stored in {box.file}, which the file table lacks")
-            need(box.offset + box.nbytes <= files[box.file], f"{key} extends past the end of {box.file}")
+            check_in_file(key, box, files)
     return tensors, files
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 from . import format_v1, format_v2
 from .errors import MetadataError
-from .format import (FORMAT_NAME, FORMAT_VERSION, Metadata, ObjectMeta, item_fields, need, require_dict,
+from .format import (FORMAT_NAME, FORMAT_VERSION, Metadata, ObjectMeta, check_in_file, item_fields, need, require_dict,
                      require_int)
 from .gcpause import gc_paused
 
@@ -50,8 +50,7 @@ def decode_metadata(data: bytes) -> Metadata:
         objects[k] = [_object(k, o, chunk_bytes) for o in v]
     for key, objs in objects.items():
         for item in objs:
-            need(item.file in files, f"{key} is stored in {item.file}, which the file table lacks")
-            need(item.offset + item.nbytes <= files[item.file], f"{key} extends past the end of {item.file}")
+            check_in_file(key, item, files)
     aliases = require_dict(raw.get("aliases", {}), "aliases")
     for alias, target in aliases.items():
         need(isinstance(target, str) and target in tensors, f"alias {alias} points to missing tensor {target!r}")
