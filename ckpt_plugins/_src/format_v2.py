@@ -122,7 +122,7 @@ class _Rows:
 
     def __init__(self, t: Dict[str, np.ndarray], b: Dict[str, np.ndarray], ntensors: int, ndtypes: int,
                  chunk_bytes: int):
-        self.t, self.b, self.chunk_bytes = t, b, chunk_bytes
+        self.t, self.b = t, b
         for name in TENSOR_COLUMNS:
             if name != "shape":
                 need(len(t[name]) == ntensors, f"tensors.{name} needs one entry per key")
@@ -193,8 +193,9 @@ class TensorTable(Mapping):
     def __init__(self, keys: List[str], dtypes: List[str], files: List[str], rows: _Rows):
         self._index = dict(zip(keys, range(len(keys))))
         need(len(self._index) == len(keys), "keys names a tensor twice")
-        self._dtypes, self._files, self._rows = dtypes, files, rows
+        self._dtypes, self._files = dtypes, files
         t, b = rows.t, rows.b
+        self._shape, self._crcs = t["shape"], b["crc32c"]  # the rest of the columns is copied below
         # one row per tensor and per box, so that building an entry takes a slice of each
         self._tensor_rows = np.stack([t["dtype"], rows.shape_start[:-1], rows.shape_start[1:],
                                       rows.box_start[:-1], rows.box_start[1:]], axis=1)
@@ -220,13 +221,13 @@ class TensorTable(Mapping):
 
     def _build(self, i: int) -> TensorMeta:
         dtype, s0, s1, first, last = self._tensor_rows[i].tolist()
-        shape = tuple(self._rows.t["shape"][s0:s1].tolist())
+        shape = tuple(self._shape[s0:s1].tolist())
         rows = self._box_rows[first:last].tolist()
         if not rows:
             return TensorMeta(shape=shape, dtype=self._dtypes[dtype], boxes=[])
         d, c = rows[0][3], rows[0][5]
         dims = self._dims[d:rows[-1][4]].tolist()
-        crcs = self._rows.b["crc32c"].values(c, rows[-1][6])
+        crcs = self._crcs.values(c, rows[-1][6])
         boxes = [StoredBox(file=self._files[f], offset=offset, nbytes=nbytes, crc32c=crcs[c0 - c:c1 - c],
                            offsets=tuple(x[0] for x in dims[d0 - d:d1 - d]),
                            lengths=tuple(x[1] for x in dims[d0 - d:d1 - d]))
