@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins._src.storage.fsspec import FsspecStorage
 import s3_server
 from ckpt_plugins._src.storage import storage_for
+from ckpt_plugins._src.storage.fsspec import FsspecStorage
 from distributed import run_ranks
 from hf_models import assert_same, full_state, train_step
 
