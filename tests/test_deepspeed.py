@@ -276,14 +276,10 @@ def load_imported(rank, world, root):
 
 
 def test_import_native_deepspeed_checkpoints(tmp_path):
-    import subprocess
-    import sys
+    from bcp_cli import bcp
     run_env_ranks(2, save_native, str(tmp_path))
-    bcp = os.path.join(os.path.dirname(sys.executable), "bcp")
     for stage in (1, 2, 3):
-        out = subprocess.run([bcp, "import-deepspeed", tmp_path / f"native{stage}", tmp_path / f"imported{stage}"],
-                             capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
+        out = bcp("import-deepspeed", tmp_path / f"native{stage}", tmp_path / f"imported{stage}")
         assert f"ZeRO stage {stage}, 2 ranks" in out.stdout
     run_env_ranks(1, load_imported, str(tmp_path))
     from hf_models import tiny_llama

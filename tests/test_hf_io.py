@@ -7,19 +7,12 @@ import sys
 import torch
 
 import ckpt_plugins as cp
+from bcp_cli import bcp
 from ckpt_plugins._src.storage import storage_for
 from ckpt_plugins._src.trace import load_telemetry
 from distributed import run_env_ranks
 from hf_models import accelerate_step, assert_same, batch, full_state, tiny_llama, train_step
 
-BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
-
-
-def bcp(*args, check=True):
-    proc = subprocess.run([BCP, *map(str, args)], capture_output=True, text=True)
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
 
 
 def trained(seed=0, tie=True):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import ckpt_plugins as cp
+from bcp_cli import bcp
 from checkpoint_compare import assert_matches
 from ckpt_plugins._src.committed import read_object
 from ckpt_plugins._src.offline import open_checkpoint
@@ -174,17 +175,14 @@ def test_moe_export_from_pretrained_save_pretrained_import_keeps_the_logits(tmp_
     transformers' Qwen3MoeForCausalLM.from_pretrained: the Megatron model's logits. Its
     save_pretrained → `bcp import-hf` → Megatron at TP2 (expert-TP 2) and at EP4: the same logits;
     the saved directory read in place at TP2 x EP2 with the distributed optimizer: the same weights."""
-    import subprocess
-    import sys
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
-    bcp = os.path.join(os.path.dirname(sys.executable), "bcp")
     root = str(tmp_path)
     run_ranks(4, export_worker, root)
     meta = cp.read_metadata(os.path.join(root, "megatron"))
     for key, t in meta.tensors.items():  # expert-DP and DP replicas: every element written once
         assert sum(b.nbytes for b in t.boxes) == 4 * math.prod(t.shape), key
-    subprocess.run([bcp, "export", os.path.join(root, "megatron"), os.path.join(root, "hf")], check=True)
+    bcp("export", os.path.join(root, "megatron"), os.path.join(root, "hf"))
     with safe_open(os.path.join(root, "hf", "model.safetensors"), "pt") as f:
         assert "model.layers.3.mlp.experts.3.down_proj.weight" in set(f.keys())
     hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf")).eval()
@@ -194,7 +192,7 @@ def test_moe_export_from_pretrained_save_pretrained_import_keeps_the_logits(tmp_
     want = torch.load(os.path.join(root, "megatron_logits.pt"))
     torch.testing.assert_close(ref, want, rtol=0, atol=2e-5)
     hf.save_pretrained(os.path.join(root, "resaved"), max_shard_size="100KB")
-    subprocess.run([bcp, "import-hf", os.path.join(root, "resaved"), os.path.join(root, "imported")], check=True)
+    bcp("import-hf", os.path.join(root, "resaved"), os.path.join(root, "imported"))
     run_ranks(2, import_worker, root, 2, 1)
     run_ranks(4, import_worker, root, 1, 4)
     run_ranks(4, in_place_worker, root)
@@ -241,8 +239,6 @@ def test_deepseek_v3_shaped_model_with_mla_reshards_and_exports(tmp_path):
     """MLA, a dense first layer, shared experts and the expert bias: saved at EP2, loaded at TP2
     (heads and shared experts split, experts over expert-TP) and on one process with the same
     logits and losses; exported, transformers' DeepseekV3ForCausalLM gives the same logits."""
-    import subprocess
-    import sys
     from transformers import AutoModelForCausalLM
     root = str(tmp_path)
     run_ranks(2, dsv3_save_worker, root)
@@ -253,8 +249,7 @@ def test_deepseek_v3_shaped_model_with_mla_reshards_and_exports(tmp_path):
         assert f"model/{name}" in meta.tensors, name
     run_ranks(2, dsv3_load_worker, root, 2, 1, True)
     run_ranks(1, dsv3_load_worker, root, 1, 1, False)
-    bcp = os.path.join(os.path.dirname(sys.executable), "bcp")
-    subprocess.run([bcp, "export", os.path.join(root, "dsv3"), os.path.join(root, "hf")], check=True)
+    bcp("export", os.path.join(root, "dsv3"), os.path.join(root, "hf"))
     hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf")).eval()
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"
     with torch.no_grad():
@@ -296,8 +291,6 @@ def test_hybrid_model_saves_as_the_gpt_and_hf_layers_it_forms(tmp_path):
     """HybridModel's attention + MLP/MoE pairs are stored as the HF layers they form: a GPTModel
     with the same layers loads the checkpoint bit for bit with the same logits, and the export is a
     Qwen3-MoE with a dense first layer (mlp_only_layers) that computes them too."""
-    import subprocess
-    import sys
     from transformers import AutoModelForCausalLM
     root = str(tmp_path)
     run_ranks(2, hybrid_save_worker, root)
@@ -306,8 +299,7 @@ def test_hybrid_model_saves_as_the_gpt_and_hf_layers_it_forms(tmp_path):
     assert "model/model.layers.1.mlp.experts.3.up_proj.weight" in meta.tensors
     assert "model/model.layers.1.input_layernorm.weight" in meta.tensors and "model/model.norm.weight" in meta.tensors
     run_ranks(1, gpt_from_hybrid_worker, root)
-    bcp = os.path.join(os.path.dirname(sys.executable), "bcp")
-    subprocess.run([bcp, "export", os.path.join(root, "hybrid"), os.path.join(root, "hf")], check=True)
+    bcp("export", os.path.join(root, "hybrid"), os.path.join(root, "hf"))
     hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf")).eval()
     assert hf.config.mlp_only_layers == [0]
     with torch.no_grad():
@@ -335,14 +327,11 @@ def test_family_exports_from_megatron_with_its_config_and_logits(family, tmp_pat
     """Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mixtral (MoE, block_sparse_moe names): `bcp export`
     of a Megatron checkpoint, then transformers' class of the family, from_pretrained with the
     config.json the export wrote, computes the Megatron model's logits."""
-    import subprocess
-    import sys
     from transformers import AutoModelForCausalLM
     extra, cls = FAMILIES[family]
     root = str(tmp_path)
     run_ranks(1, family_worker, root, extra)
-    bcp = os.path.join(os.path.dirname(sys.executable), "bcp")
-    subprocess.run([bcp, "export", os.path.join(root, "megatron"), os.path.join(root, "hf")], check=True)
+    bcp("export", os.path.join(root, "megatron"), os.path.join(root, "hf"))
     hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf")).eval()
     assert type(hf).__name__ == cls
     with torch.no_grad():

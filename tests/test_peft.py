@@ -3,17 +3,15 @@
 tools (PEFT and merged exports, importing an adapter directory)."""
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import ckpt_plugins as cp
+from bcp_cli import bcp
 from ckpt_plugins._src.base_ref import BASE
 from hf_models import tiny_llama
 
-BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
 
 
 def lora(model, dora=False, **extra):
@@ -22,10 +20,6 @@ def lora(model, dora=False, **extra):
                                             init_lora_weights=False, **extra))
 
 
-def bcp(*args):
-    out = subprocess.run([BCP, *map(str, args)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return out
 
 
 def test_names_see_through_peft_both_ways(tmp_path):
@@ -175,11 +169,9 @@ def test_peft_export_of_a_dora_adapter_and_merging_refused(tmp_path):
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
-    out = subprocess.run([BCP, "export", tmp_path / "ckpt", tmp_path / "merged", "--merge-adapters"],
-                         capture_output=True, text=True)
+    out = bcp("export", tmp_path / "ckpt", tmp_path / "merged", "--merge-adapters", check=False)
     assert out.returncode != 0 and "only plain LoRA adapters merge here" in out.stderr and "merge_and_unload" in out.stderr
-    out = subprocess.run([BCP, "export", tmp_path / "ckpt", tmp_path / "x", "--format", "peft", "--adapter", "other"],
-                         capture_output=True, text=True)
+    out = bcp("export", tmp_path / "ckpt", tmp_path / "x", "--format", "peft", "--adapter", "other", check=False)
     assert out.returncode != 0 and "no adapter 'other'" in out.stderr and "default" in out.stderr
 
 

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 import ckpt_plugins as cp
+from bcp_cli import bcp
 from ckpt_plugins._src import lock
 from ckpt_plugins._src.manager import CheckpointManager
 from ckpt_plugins._src.storage import LocalStorage
 from distributed import run_ranks
 
-BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
 
 
 def linear(seed):
@@ -78,11 +78,11 @@ def test_a_rank_killed_mid_write_leaves_the_previous_checkpoint_latest(tmp_path)
     manager.load({"model": model})
     assert all(torch.equal(model.state_dict()[k], v) for k, v in torch.load(ref).items())
 
-    out = subprocess.run([BCP, "inspect", os.path.join(root, "step_2")], capture_output=True, text=True)
+    out = bcp("inspect", os.path.join(root, "step_2"), check=False)
     assert out.returncode == 2 and "INCOMPLETE" in out.stdout
-    out = subprocess.run([BCP, "list", root], capture_output=True, text=True)
+    out = bcp("list", root)
     assert "step_1  (latest)" in out.stdout and "step_2  INCOMPLETE" in out.stdout
-    out = subprocess.run([BCP, "cleanup", root], capture_output=True, text=True)
+    out = bcp("cleanup", root)
     assert out.returncode == 0 and "removed step_2" in out.stdout, out.stderr
     assert sorted(os.listdir(root)) == ["latest", "notes", "step_1", "telemetry.jsonl"]
 

@@ -16,19 +16,17 @@ moves the next loss by 1e-3 or more.
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import ckpt_plugins as cp
+from bcp_cli import bcp
 from distributed import run_ranks
 from endpoints import build, close, hf_model
 from test_round_trips import load
 
 TOLERANCE = 2e-5  # relative: 4x the worst measured (4.7e-6)
-BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
 
 
 def record(root, name, values):
@@ -67,9 +65,7 @@ def test_megatron_to_deepspeed_to_fsdp2_to_hf_continues_the_same_run(tmp_path, m
     run_ranks(2, stage, root, "ds_zero3", megatron, 2, model)
     run_ranks(1, stage, root, "fsdp2", "ds_zero3", 4, model)
     run_ranks(1, uninterrupted, root, model)
-    out = subprocess.run([BCP, "export", os.path.join(root, "fsdp2"), tmp_path / "hf", "--format", "hf"],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    bcp("export", os.path.join(root, "fsdp2"), tmp_path / "hf", "--format", "hf")
     hf_model(model, 0).config.save_pretrained(tmp_path / "hf")
     from transformers import AutoModelForCausalLM
     from endpoints import batch

@@ -6,16 +6,14 @@ loaded under FSDP2, bit for bit."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import torch
 
 import ckpt_plugins as cp
+from bcp_cli import bcp
 from distributed import run_env_ranks, run_ranks
 from endpoints import Tokens, batch, hf_model, pretrain
 
-BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
 IDS = batch(20)
 
 
@@ -65,10 +63,6 @@ def fsdp2_load(rank, world, root):
         torch.save(full, os.path.join(root, "fsdp2.pt"))
 
 
-def bcp(*args):
-    out = subprocess.run([BCP, *map(str, args)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return out
 
 
 def test_megatron_pretraining_to_lora_finetuning_resumes_exports_and_reshards(tmp_path):

@@ -3,16 +3,14 @@ with its config.json, fine-tuned in the HF Trainer on 1 process (its experts fus
 checkpoint loads back into Megatron EP2, weights and Adam moments bit for bit. (On CPU accelerate
 runs the Trainer's FSDP settings as DDP; FSDP2's handling of the same model is the matrix's.)"""
 import os
-import subprocess
-import sys
 
 
 import ckpt_plugins as cp
+from bcp_cli import bcp
 from checkpoint_compare import assert_matches
 from distributed import run_env_ranks, run_ranks
 from endpoints import Tokens, build, close, pretrain
 
-BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
 
 
 def finetune(rank, world, root):
@@ -40,9 +38,7 @@ def back_to_megatron(rank, world, root):
 def test_megatron_ep_pretraining_to_trainer_finetuning_and_back(tmp_path):
     root = str(tmp_path)
     run_ranks(2, pretrain, root, "megatron_ep2", "qwen3_moe")
-    out = subprocess.run([BCP, "export", os.path.join(root, "megatron_ep2"), os.path.join(root, "hf"), "--format", "hf"],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    bcp("export", os.path.join(root, "megatron_ep2"), os.path.join(root, "hf"), "--format", "hf")
     run_env_ranks(1, finetune, root)
     meta = cp.read_metadata(os.path.join(root, "finetune", "checkpoint-2"))
     assert meta.step == 2 and "optim/model.layers.1.mlp.experts.2.gate_proj.weight/exp_avg" in meta.tensors

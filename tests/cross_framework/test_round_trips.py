@@ -10,21 +10,18 @@ ZeRO-2, FSDP1 (flat ranges across expert boundaries), FSDP2 (experts sharded by 
 process and HF: transformers' fused experts, Megatron's and AutoEP's local experts all land in the
 same per-expert tensors.
 
-Three rounds of one process group per framework: save (A), cross (B loads every A, saves), back
-(A loads every B's save)."""
+Three rounds, each one process group per world size that runs its frameworks in turn: save (A),
+cross (B loads every A, saves), back (A loads every B's save)."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import ckpt_plugins as cp
+from bcp_cli import bcp
 from checkpoint_compare import assert_matches
 from distributed import run_ranks
 from endpoints import TORCH_SCHEDULER, WORLD, build, close, hf_model
-
-BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
 
 
 def load(endpoint, path, source):
@@ -44,41 +41,48 @@ def load(endpoint, path, source):
         assert endpoint.scheduler.last_epoch == 2
 
 
-def save_round(rank, world, name, root, model):
-    endpoint = build(name, list(WORLD[model]).index(name), model)
-    for i in range(2):
-        endpoint.step(i)
-    cp.save(os.path.join(root, name), endpoint.state)
-    close(endpoint)
+def save_round(rank, world, names, root, model):
+    for name in names:
+        endpoint = build(name, list(WORLD[model]).index(name), model)
+        for i in range(2):
+            endpoint.step(i)
+        cp.save(os.path.join(root, name), endpoint.state)
+        close(endpoint)
 
 
-def cross_round(rank, world, name, root, sources, model):
-    endpoint = build(name, 100, model)
-    for source in sources:
-        path = os.path.join(root, source)
-        load(endpoint, path, source)
-        assert_matches(path, endpoint.state, weights_only=source == "hf")
-        for group in endpoint.optimizer.param_groups if hasattr(endpoint, "optimizer") else []:
-            assert group["lr"] == 1e-2 and tuple(group["betas"]) == (0.9, 0.95) and group["eps"] == 1e-8
-            if name in TORCH_SCHEDULER:  # another framework's layout flags stay out of torch's groups
-                assert not {"moe", "is_expert_parallel"} & set(group), group.keys()
-        cp.save(os.path.join(root, f"{source}__{name}"), endpoint.state)
-    close(endpoint)
+def cross_round(rank, world, names, root, model):
+    for name in names:
+        endpoint = build(name, 100, model)
+        for source in [s for s in list(WORLD[model]) + ["hf"] if s != name]:
+            path = os.path.join(root, source)
+            load(endpoint, path, source)
+            assert_matches(path, endpoint.state, weights_only=source == "hf")
+            for group in endpoint.optimizer.param_groups if hasattr(endpoint, "optimizer") else []:
+                assert group["lr"] == 1e-2 and tuple(group["betas"]) == (0.9, 0.95) and group["eps"] == 1e-8
+                if name in TORCH_SCHEDULER:  # another framework's layout flags stay out of torch's groups
+                    assert not {"moe", "is_expert_parallel"} & set(group), group.keys()
+            cp.save(os.path.join(root, f"{source}__{name}"), endpoint.state)
+        close(endpoint)
 
 
-def back_round(rank, world, name, root, destinations, model):
-    endpoint = build(name, 200, model)
-    original = os.path.join(root, name)
-    for dest in destinations:
-        load(endpoint, os.path.join(root, f"{name}__{dest}"), "hf" if dest == "hf" else dest)
-        assert_matches(original, endpoint.state, weights_only=dest == "hf")
-    close(endpoint)
+def back_round(rank, world, names, root, model):
+    for name in names:
+        endpoint = build(name, 200, model)
+        original = os.path.join(root, name)
+        for dest in [d for d in list(WORLD[model]) + ["hf"] if d != name]:
+            load(endpoint, os.path.join(root, f"{name}__{dest}"), "hf" if dest == "hf" else dest)
+            assert_matches(original, endpoint.state, weights_only=dest == "hf")
+        close(endpoint)
 
 
-def bcp(*args):
-    out = subprocess.run([BCP, *map(str, args)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+def each_world(model, round_fn, root):
+    """One process group per world size, its endpoints one after another: the frameworks leave no
+    state behind that the next one sees (Megatron's parallel state is destroyed by `close`)."""
+    by_world = {}
+    for name, world in WORLD[model].items():
+        by_world.setdefault(world, []).append(name)
+    for world, names in by_world.items():
+        run_ranks(world, round_fn, names, root, model)
 
 
 def hf_round_trip(root, source, tmp, model):
@@ -97,18 +101,15 @@ def round_trip_every_pair(tmp_path, model):
     """The three rounds, HF as A and as B; returns the checkpoints' root and the HF model (A)."""
     from transformers import AutoModelForCausalLM
     names, root = list(WORLD[model]), str(tmp_path / "ckpts")
-    for name in names:
-        run_ranks(WORLD[model][name], save_round, name, root, model)
+    each_world(model, save_round, root)
     # HF as A: a transformers model directory imported as a checkpoint
     hf = hf_model(model, 50)
     hf.save_pretrained(tmp_path / "hf_model")
     bcp("import-hf", tmp_path / "hf_model", os.path.join(root, "hf"))
     for source in names:
         hf_round_trip(root, source, tmp_path, model)
-    for name in names:
-        run_ranks(WORLD[model][name], cross_round, name, root, [s for s in names + ["hf"] if s != name], model)
-    for name in names:
-        run_ranks(WORLD[model][name], back_round, name, root, [d for d in names + ["hf"] if d != name], model)
+    each_world(model, cross_round, root)
+    each_world(model, back_round, root)
     # HF as A, back: each framework's save of the HF weights exports to the same model
     for dest in names:
         export = tmp_path / f"hf__{dest}_export"
