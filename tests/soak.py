@@ -90,6 +90,7 @@ class Report:
     detected: Counter = field(default_factory=Counter)  # faults a rank saw as an error
     resumed_from: Counter = field(default_factory=Counter)  # memory, local, s3, fresh
     missed: int = 0  # lives whose fault found the job already done (not counted as events)
+    restarts: int = 0  # times the S3 server stopped answering and was restarted on its data
     violations: List[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -97,6 +98,7 @@ class Report:
         kinds = ", ".join(f"{k} {self.events[k]} ({self.detected[k]} seen as errors)" for k in KINDS if self.events[k])
         return [f"soak seed {self.seed}: {sum(self.events.values())} events in {self.lives} lives "
                 f"({self.missed} whose fault came too late), {self.seconds:.0f} s: {kinds}",
+                f"S3 server restarted {self.restarts} times after it stopped answering",
                 "resumed from: " + ", ".join(f"{k} {n}" for k, n in sorted(self.resumed_from.items())),
                 f"invariants broken: {len(self.violations)}"] + [f"  {v}" for v in self.violations]
 
@@ -374,10 +376,11 @@ def soak(events: int, seed: int, workdir: str, s3: bool = True, quick: bool = Fa
     report = Report(seed)
     os.makedirs(os.path.join(workdir, "reports"), exist_ok=True)
     own = s3 and server is None
-    proxy, env, saved = None, {}, dict(os.environ)
+    proxy, watchdog, env, saved = None, None, {}, dict(os.environ)
     if s3:
         server = s3_server.start(os.path.join(workdir, "s3")) if own else server
         proxy = s3_server.CuttingProxy(server.port)
+        watchdog = Watchdog(server, proxy, report, log)
         env = server.env(f"http://127.0.0.1:{proxy.port}")
         os.environ.update(env)  # the agent lists the S3 root too
     t0, generation, commits = time.time(), 0, {}
@@ -413,11 +416,43 @@ def soak(events: int, seed: int, workdir: str, s3: bool = True, quick: bool = Fa
         os.environ.clear()
         os.environ.update(saved)
         if proxy is not None:
+            watchdog.close()
             proxy.close()
         if own:
             s3_server.stop(server)
         report.seconds = time.time() - t0
     return report
+
+
+class Watchdog:
+    """The operator's health check on the S3 server: a probe every `every` s, straight to the
+    server; after `misses` unanswered in a row (SeaweedFS can stop answering while its port stays
+    open), the server restarts on its data and the proxy points at it. The jobs' storage retries
+    carry them over the restart."""
+
+    def __init__(self, server, proxy, report: Report, log, every: float = 5.0, timeout: float = 10.0,
+                 misses: int = 2):
+        self.server, self.proxy, self.report, self.log = server, proxy, report, log
+        self.every, self.timeout, self.misses = every, timeout, misses
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        import s3_server
+        unanswered = 0
+        while not self.stopped.wait(self.every):
+            unanswered = 0 if s3_server.answers(self.server, self.timeout) else unanswered + 1
+            if unanswered >= self.misses and not self.stopped.is_set():
+                self.log(f"S3 server on port {self.server.port} did not answer {unanswered} probes: restarting it")
+                s3_server.restart(self.server)
+                self.proxy.upstream = self.server.port
+                self.report.restarts += 1
+                unanswered = 0
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join()
 
 
 def _run(life: Life, workdir: str, env: Dict[str, str]) -> dict:

@@ -1,6 +1,10 @@
 """The fault soak, short (`soak.py`; `bench/soak.py` runs it long): a 4-rank job saving every step
 in every mode, to local disk and to S3, through a seeded run of faults of every kind, every
 invariant holding after each one."""
+import os
+import signal
+import time
+
 import soak
 
 
@@ -11,3 +15,27 @@ def test_a_short_fault_soak_loses_nothing(tmp_path, s3_server_once):
     assert set(report.events) == set(soak.KINDS), report.events  # each kind once
     assert report.detected["kill"] and report.detected["disk_full"] and report.detected["corrupt"], report.lines()
 
+
+
+def test_the_watchdog_restarts_a_server_that_stopped_answering_and_keeps_its_data(s3_server_once):
+    """A stopped SeaweedFS still accepts connections: the soak's health check restarts it on its
+    data and points the proxy at it."""
+    import s3_server
+    import s3fs
+    server, proxy = s3_server_once, s3_server.CuttingProxy(s3_server_once.port)
+    fs = s3fs.S3FileSystem(key=s3_server.ACCESS_KEY, secret=s3_server.SECRET_KEY, skip_instance_cache=True,
+                           endpoint_url=f"http://127.0.0.1:{proxy.port}")
+    fs.pipe_file("ckpt/watchdog/kept", b"before the restart")
+    stopped, report, seen = server.process, soak.Report(seed=0), []
+    os.killpg(stopped.pid, signal.SIGSTOP)
+    watchdog = soak.Watchdog(server, proxy, report, seen.append, every=0.5, timeout=1.0)
+    try:
+        deadline = time.time() + 60
+        while report.restarts == 0 and time.time() < deadline:
+            time.sleep(0.2)
+        assert report.restarts == 1 and "did not answer 2 probes" in seen[0], seen
+        assert stopped.poll() is not None and server.process is not stopped
+        assert fs.cat_file("ckpt/watchdog/kept") == b"before the restart"  # through the proxy: the new server
+    finally:
+        watchdog.close()
+        proxy.close()
