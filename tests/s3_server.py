@@ -205,7 +205,11 @@ class CuttingProxy:
             if self.silent:
                 self.conns.append((client,))
                 continue
-            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:  # the server is down (restarting): the client sees a reset, as from a load balancer
+                _reset(client)
+                continue
             self.conns.append((client, upstream))
             threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()

@@ -39,3 +39,27 @@ def test_the_watchdog_restarts_a_server_that_stopped_answering_and_keeps_its_dat
     finally:
         watchdog.close()
         proxy.close()
+
+
+def test_the_proxy_goes_on_after_its_server_refused_a_connection(s3_server_once):
+    """While the watchdog restarts the server, a connection finds nothing upstream: that client is
+    reset, and later ones reach the new server."""
+    import socket
+
+    import s3_server
+    import s3fs
+    from distributed import free_port
+    proxy = s3_server.CuttingProxy(free_port())  # nothing listens there
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as refused:
+            try:
+                assert refused.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        proxy.upstream = s3_server_once.port
+        fs = s3fs.S3FileSystem(key=s3_server.ACCESS_KEY, secret=s3_server.SECRET_KEY, skip_instance_cache=True,
+                               endpoint_url=f"http://127.0.0.1:{proxy.port}")
+        fs.pipe_file("ckpt/watchdog/after_refusal", b"reached")
+        assert fs.cat_file("ckpt/watchdog/after_refusal") == b"reached"
+    finally:
+        proxy.close()
