@@ -190,7 +190,7 @@ class CuttingProxy:
         self.lock = threading.Lock()
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
-        self.conns = []
+        self.conns = {}  # open connections (socket tuples) -> pumps still running on them
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self):
@@ -203,18 +203,20 @@ class CuttingProxy:
                 _reset(client)
                 continue
             if self.silent:
-                self.conns.append((client,))
+                self.conns[(client,)] = 0
                 continue
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.upstream))
             except OSError:  # the server is down (restarting): the client sees a reset, as from a load balancer
                 _reset(client)
                 continue
-            self.conns.append((client, upstream))
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+            link = (client, upstream)
+            with self.lock:
+                self.conns[link] = 2
+            threading.Thread(target=self._pump, args=(link, client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(link, upstream, client, False), daemon=True).start()
 
-    def _pump(self, src, dst, outgoing):
+    def _pump(self, link, src, dst, outgoing):
         try:
             while True:
                 data = src.recv(65536)
@@ -240,11 +242,22 @@ class CuttingProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+            with self.lock:  # the second pump to end closes the pair: a long soak opens thousands
+                left = self.conns.get(link, 0) - 1  # -1: `close` took it
+                if left > 0:
+                    self.conns[link] = left
+                else:
+                    self.conns.pop(link, None)
+            if left == 0:
+                for s in link:
+                    s.close()
 
     def close(self):
         self.server.close()
-        for pair in self.conns:
-            for s in pair:
+        with self.lock:
+            links, self.conns = list(self.conns), {}
+        for link in links:
+            for s in link:
                 _reset(s)
 
 

@@ -63,3 +63,26 @@ def test_the_proxy_goes_on_after_its_server_refused_a_connection(s3_server_once)
         assert fs.cat_file("ckpt/watchdog/after_refusal") == b"reached"
     finally:
         proxy.close()
+
+
+def test_the_proxy_closes_the_connections_that_ended(s3_server_once):
+    """A 300-event soak opens thousands of connections through the proxy: an ended one keeps no
+    file descriptor."""
+    import socket
+
+    import s3_server
+    proxy = s3_server.CuttingProxy(s3_server_once.port)
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        for _ in range(40):
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as conn:
+                conn.sendall(b"GET /ckpt/ready HTTP/1.0\r\n\r\n")  # refused (no signature); the server closes
+                assert conn.recv(12).startswith(b"HTTP/1.")
+                while conn.recv(65536):
+                    pass
+        deadline = time.time() + 10
+        while proxy.conns and time.time() < deadline:
+            time.sleep(0.05)
+        assert proxy.conns == {} and len(os.listdir("/proc/self/fd")) <= before + 2
+    finally:
+        proxy.close()
