@@ -149,8 +149,8 @@ def stop(server: S3Server) -> None:
 
 
 def answers(server: S3Server, timeout: float = 5.0) -> bool:
-    """Whether the server stores and returns a small object within `timeout` s (its S3 port can
-    accept connections and still never answer)."""
+    """Whether the server stores and returns a small object, each request within `timeout` s (its
+    S3 port can accept connections and still never answer)."""
     import s3fs
     fs = s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, endpoint_url=server.endpoint, skip_instance_cache=True,
                            config_kwargs={"connect_timeout": timeout, "read_timeout": timeout,
@@ -167,7 +167,7 @@ def answers(server: S3Server, timeout: float = 5.0) -> bool:
             pass
     worker = threading.Thread(target=probe, daemon=True)  # bounded even if the client is not
     worker.start()
-    worker.join(3 * timeout)
+    worker.join(2 * timeout)
     return done.is_set()
 
 

@@ -427,10 +427,10 @@ def soak(events: int, seed: int, workdir: str, s3: bool = True, quick: bool = Fa
 class Watchdog:
     """The operator's health check on the S3 server: a probe every `every` s, straight to the
     server; after `misses` unanswered in a row (SeaweedFS can stop answering while its port stays
-    open), the server restarts on its data and the proxy points at it. The jobs' storage retries
-    carry them over the restart."""
+    open), the server restarts on its data and the proxy points at it. Within about 20 s of a
+    hang: the storage's retries (60 s) carry the jobs, and the agent's own listings, over it."""
 
-    def __init__(self, server, proxy, report: Report, log, every: float = 5.0, timeout: float = 10.0,
+    def __init__(self, server, proxy, report: Report, log, every: float = 2.0, timeout: float = 3.0,
                  misses: int = 2):
         self.server, self.proxy, self.report, self.log = server, proxy, report, log
         self.every, self.timeout, self.misses = every, timeout, misses
