@@ -390,17 +390,21 @@ def soak(events: int, seed: int, workdir: str, s3: bool = True, quick: bool = Fa
             kind = _kind(rng, order, s3, any(commits.values()))
             life = plan(rng, report.lives, generation, kind, quick)
             if life.fault.kind == "corrupt":
-                _corrupt(workdir, s3)
+                _patiently(watchdog, lambda: _corrupt(workdir, s3))
             cuts = rng.randint(1, 3)
             if life.fault.kind == "s3_cut":
                 proxy.sent, proxy.after, proxy.cuts = 0, rng.randint(2_000, 20_000), cuts
-            before = _commits(workdir, s3) if life.fault.kind == "corrupt" else commits  # the agent changed one
+            before = _patiently(watchdog, lambda: _commits(workdir, s3)) if life.fault.kind == "corrupt" else commits
             outcome = _run(life, workdir, env)
             if life.fault.kind == "s3_cut":
                 outcome["injected"], proxy.cuts = proxy.cuts < cuts, 0
-            commits = _commits(workdir, s3)
+            commits = _patiently(watchdog, lambda: _commits(workdir, s3))
             broken = len(report.violations)
-            _check(life, outcome, workdir, before, commits, report)
+
+            def check():
+                del report.violations[broken:]  # an attempt cut short by the store leaves none behind
+                _check(life, outcome, workdir, before, commits, report)
+            _patiently(watchdog, check)
             for violation in report.violations[broken:]:  # as they come: a run cut short still says
                 log(f"  broken: {violation}")
             report.events[life.fault.kind] += outcome["injected"]
@@ -445,14 +449,30 @@ class Watchdog:
             unanswered = 0 if s3_server.answers(self.server, self.timeout) else unanswered + 1
             if unanswered >= self.misses and not self.stopped.is_set():
                 self.log(f"S3 server on port {self.server.port} did not answer {unanswered} probes: restarting it")
+                t0 = time.time()
                 s3_server.restart(self.server)
                 self.proxy.upstream = self.server.port
+                self.log(f"S3 server restarted in {time.time() - t0:.1f} s, on port {self.server.port}")
                 self.report.restarts += 1
                 unanswered = 0
 
     def close(self) -> None:
         self.stopped.set()
         self.thread.join()
+
+
+def _patiently(watchdog: Optional[Watchdog], look, wait: float = 300.0):
+    """The agent's own look at the roots (not the job's): with an S3 server, it waits out an
+    outage the watchdog is mending, up to `wait` s."""
+    deadline = time.time() + wait
+    while True:
+        try:
+            return look()
+        except Exception as exc:
+            if watchdog is None or time.time() > deadline:
+                raise
+            watchdog.log(f"the agent's look at the roots failed ({type(exc).__name__}: {str(exc)[:200]}); again in 5 s")
+            time.sleep(5)
 
 
 def _run(life: Life, workdir: str, env: Dict[str, str]) -> dict:
