@@ -101,6 +101,31 @@ def test_permanent_errors_fail_at_once_with_the_storage_message(s3, monkeypatch)
         cp.load("s3://no-such-bucket/x", {"w": torch.zeros(8)})
 
 
+@pytest.mark.parametrize("code, transient", [("InternalError", True), ("SlowDown", True), ("ServiceUnavailable", True),
+                                             ("NoSuchKey", False), ("AccessDenied", False)])
+def test_s3_errors_as_s3fs_raises_them_are_retried_when_transient(code, transient):
+    """s3fs raises an S3 error as an OSError caused by botocore's (InternalError: errno EREMOTEIO,
+    "We encountered an internal error, please try again."): the retry looks at the cause. Seen
+    from SeaweedFS in the 300-event soak."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+    message = {"InternalError": "We encountered an internal error, please try again."}.get(code, "no")
+    error = translate_boto_error(ClientError({"Error": {"Code": code, "Message": message}}, "ListObjectsV2"))
+    storage, calls = FsspecStorage("memory://transient", backoff=0.01), []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise error
+        return "listed"
+    if transient:
+        assert storage.retry("list", flaky) == "listed" and storage.retried == 1
+    else:
+        with pytest.raises(type(error)):
+            storage.retry("list", flaky)
+        assert len(calls) == 1
+
+
 def test_a_server_that_stops_answering_fails_the_save_in_bounded_time(s3, monkeypatch):
     """The store accepts connections and answers none: the save fails within the storage's
     `timeout` plus one attempt (here 2 s and 1 s timeouts), where nested retries (ours, s3fs's,

@@ -34,10 +34,15 @@ _TRANSIENT_MARKS = ("SlowDown", "ServiceUnavailable", "InternalError", "RequestT
 def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError)):
         return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    text = " ".join([type(c).__name__ for c in type(exc).__mro__] + [str(exc)])
-    return any(mark in text for mark in _TRANSIENT_MARKS)
+    seen = 0
+    while exc is not None and seen < 8:  # s3fs turns an S3 error into an OSError caused by it
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return True
+        text = " ".join([type(c).__name__ for c in type(exc).__mro__] + [str(exc)])
+        if any(mark in text for mark in _TRANSIENT_MARKS):
+            return True
+        exc, seen = exc.__cause__, seen + 1
+    return False
 
 
 def redact(url: str) -> str:
