@@ -117,11 +117,16 @@ def _start(workdir: str, timeout: float) -> S3Server:
     return server
 
 
+def client(endpoint: str, **options):
+    """An s3fs client of the test account at `endpoint` (the server's, or a proxy's), uncached."""
+    import s3fs
+    return s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, endpoint_url=endpoint, skip_instance_cache=True,
+                             **options)
+
+
 def _create_bucket(server: S3Server, bucket: str, deadline: float) -> None:
     """The S3 gateway answers before the filer and volumes are ready: retry until a bucket exists."""
-    import s3fs
-    fs = s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, endpoint_url=server.endpoint,
-                           skip_instance_cache=True)
+    fs = client(server.endpoint)
     while True:
         try:
             fs.mkdir(bucket)
@@ -151,10 +156,8 @@ def stop(server: S3Server) -> None:
 def answers(server: S3Server, timeout: float = 5.0) -> bool:
     """Whether the server stores and returns a small object, each request within `timeout` s (its
     S3 port can accept connections and still never answer)."""
-    import s3fs
-    fs = s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, endpoint_url=server.endpoint, skip_instance_cache=True,
-                           config_kwargs={"connect_timeout": timeout, "read_timeout": timeout,
-                                          "retries": {"max_attempts": 1, "mode": "standard"}})
+    fs = client(server.endpoint, config_kwargs={"connect_timeout": timeout, "read_timeout": timeout,
+                                                "retries": {"max_attempts": 1, "mode": "standard"}})
     fs.retries = 1
     done = threading.Event()
 

@@ -21,10 +21,8 @@ def test_the_watchdog_restarts_a_server_that_stopped_answering_and_keeps_its_dat
     """A stopped SeaweedFS still accepts connections: the soak's health check restarts it on its
     data and points the proxy at it."""
     import s3_server
-    import s3fs
     server, proxy = s3_server_once, s3_server.CuttingProxy(s3_server_once.port)
-    fs = s3fs.S3FileSystem(key=s3_server.ACCESS_KEY, secret=s3_server.SECRET_KEY, skip_instance_cache=True,
-                           endpoint_url=f"http://127.0.0.1:{proxy.port}")
+    fs = s3_server.client(f"http://127.0.0.1:{proxy.port}")
     fs.pipe_file("ckpt/watchdog/kept", b"before the restart")
     stopped, report, seen = server.process, soak.Report(seed=0), []
     os.killpg(stopped.pid, signal.SIGSTOP)
@@ -47,7 +45,6 @@ def test_the_proxy_goes_on_after_its_server_refused_a_connection(s3_server_once)
     import socket
 
     import s3_server
-    import s3fs
     from distributed import free_port
     proxy = s3_server.CuttingProxy(free_port())  # nothing listens there
     try:
@@ -57,8 +54,7 @@ def test_the_proxy_goes_on_after_its_server_refused_a_connection(s3_server_once)
             except ConnectionResetError:
                 pass
         proxy.upstream = s3_server_once.port
-        fs = s3fs.S3FileSystem(key=s3_server.ACCESS_KEY, secret=s3_server.SECRET_KEY, skip_instance_cache=True,
-                               endpoint_url=f"http://127.0.0.1:{proxy.port}")
+        fs = s3_server.client(f"http://127.0.0.1:{proxy.port}")
         fs.pipe_file("ckpt/watchdog/after_refusal", b"reached")
         assert fs.cat_file("ckpt/watchdog/after_refusal") == b"reached"
     finally:
