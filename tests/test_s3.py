@@ -126,6 +126,29 @@ def test_s3_errors_as_s3fs_raises_them_are_retried_when_transient(code, transien
         assert len(calls) == 1
 
 
+@pytest.mark.parametrize("outage, succeeds", [(40.0, True), (70.0, False)])
+def test_a_store_refusing_connections_for_a_while_is_waited_out_until_the_storage_timeout(outage, succeeds, monkeypatch):
+    """Every attempt fails at once while the store is down (connection refused, as during a
+    restart): the retries go on until `timeout` (60 s), not a count of quick failures. Seen in the
+    soak: a SeaweedFS restart of 17 s outlasted 6 retries (16 s)."""
+    from ckpt_plugins._src.storage import fsspec as module
+    clock = [0.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(module.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    storage = FsspecStorage("memory://down")
+
+    def down_for_a_while():
+        if clock[0] < outage:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return "listed"
+    if succeeds:
+        assert storage.retry("list", down_for_a_while) == "listed"
+    else:
+        with pytest.raises(ConnectionRefusedError):
+            storage.retry("list", down_for_a_while)
+        assert clock[0] <= 60
+
+
 def test_a_server_that_stops_answering_fails_the_save_in_bounded_time(s3, monkeypatch):
     """The store accepts connections and answers none: the save fails within the storage's
     `timeout` plus one attempt (here 2 s and 1 s timeouts), where nested retries (ours, s3fs's,

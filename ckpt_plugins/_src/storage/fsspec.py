@@ -55,12 +55,14 @@ def redact(url: str) -> str:
 
 
 class FsspecStorage(Storage):
-    def __init__(self, url: str, retries: int = 6, backoff: float = 0.25, max_backoff: float = 8.0,
+    def __init__(self, url: str, retries: int = 10, backoff: float = 0.25, max_backoff: float = 8.0,
                  timeout: float = 60.0, **options):
         """`retries` of each operation on transient errors, with backoff from `backoff` up to
         `max_backoff` s; none starts once `timeout` s have passed since the first attempt, so a
         store that stops answering fails an operation within `timeout` plus one attempt (s3fs's
-        own timeouts: 5 s to connect, 15 s without data)."""
+        own timeouts: 5 s to connect, 15 s without data). Enough retries that the time bounds them:
+        a store refusing connections for a while (a restart, a failover) fails each attempt at
+        once, and 6 retries gave up after 16 s."""
         fsspec = require("fsspec", redact(url))
         if url.startswith("s3://"):
             require("s3fs", redact(url))
