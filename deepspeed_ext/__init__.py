@@ -1,7 +1,7 @@
 """deepspeed_ext: DeepSpeed ZeRO 0-3 through ckpt_plugins, switched on by a config entry.
 
     "checkpoint": {"backend": "bytecheckpoint", "async": false, "overlap": false, "warm_up": true,
-                   "verify": false}
+                   "verify": false, "host_memory": null}
 
 in the DeepSpeed config, then either `engine, optimizer, _, scheduler = deepspeed_ext.initialize(...)`
 (same arguments as `deepspeed.initialize`) or `deepspeed_ext.install()` once, which makes every
@@ -11,7 +11,9 @@ taken. `overlap` (implies `async`): it returns at once, the snapshot runs beside
 and backward, and the optimizer's next step waits for it. `warm_up` (default true): after the
 first optimizer step, plan the first save and fault its staging memory in beside training, so
 that save is as fast as any later one. `verify`: `load_checkpoint` then proves the live model and
-optimizer hold what was loaded (`ckpt_plugins.load(verify=True)`).
+optimizer hold what was loaded (`ckpt_plugins.load(verify=True)`). `host_memory` (bytes, or a size
+such as "8GiB"): the most host memory a rank stages saves in; a bigger save streams through it
+(`Checkpointer(host_memory=...)`).
 """
 from __future__ import annotations
 

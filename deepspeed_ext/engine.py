@@ -87,6 +87,8 @@ class Hooks:
         self.gate = StepGate()  # an overlapped save's snapshot runs until the optimizer's next step
         self.native_load, self.native_step = engine.load_checkpoint, engine.step
         self.checkpointer = cp.checkpointer()
+        if options.get("host_memory") is not None:
+            self.checkpointer.host_memory = options["host_memory"]
         self.unlogged: list = []  # SaveInfo or SaveHandle of saves not yet in the monitor
         self.warm = bool(options.get("warm_up", True))
         self.extra: Dict[str, Any] = {}  # more entries every checkpoint carries (add_state)

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import torch
 
@@ -366,7 +366,8 @@ _NO_OPS = ("_save_optimizer_and_scheduler", "_save_rng_state", "_save_scaler")
 
 def enable(trainer, *, async_save: bool = False, overlap: bool = False, checkpointer: Optional[cp.Checkpointer] = None,
            peft_base: Optional[str] = None, adapters_only: bool = True, hf_weights: bool = True,
-           on_data_change: str = "warn", init_from: Optional[str] = None, verify: bool = False):
+           on_data_change: str = "warn", init_from: Optional[str] = None, verify: bool = False,
+           host_memory: Union[int, str, None] = None):
     """Make `trainer` save and resume through ckpt_plugins (see the module docstring). Returns it.
 
     `async_save`: saves return once their snapshot is taken; `overlap`: at once, the optimizer's next
@@ -376,7 +377,8 @@ def enable(trainer, *, async_save: bool = False, overlap: bool = False, checkpoi
     training data changed since its checkpoint. `init_from`: a checkpoint a run that does not
     resume starts from (HF safetensors, PyTorch DCP, ours): its model and any optimizer state.
     `verify`: every load then proves the live model and optimizer hold what was loaded
-    (`ckpt_plugins.load(verify=True)`)."""
+    (`ckpt_plugins.load(verify=True)`). `host_memory` (bytes, or a size such as "8GiB"): the most
+    host memory a rank stages saves in; a bigger save streams through it."""
     require_version("transformers", "transformers", TRANSFORMERS, "hf_ext.trainer")
     from transformers import TrainerCallback
 
@@ -384,6 +386,8 @@ def enable(trainer, *, async_save: bool = False, overlap: bool = False, checkpoi
                                on_data_change)
     integration.init_from = None if init_from is None else str(init_from)
     integration.verify = verify
+    if host_memory is not None:
+        integration.ckpt().host_memory = host_memory
     for name in _HOOKS:
         integration.native[name] = getattr(trainer, name)
         setattr(trainer, name, getattr(integration, name))

@@ -14,7 +14,8 @@ the default) they call Megatron's own. Kept: `--save`/`--load`, `iter_NNNNNNN` d
 `--finetune`, `--no-save-optim`/`--no-load-optim`, `--no-save-rng`/`--no-load-rng`, `--use-checkpoint-args`
 (the model arguments come from the checkpoint, through Megatron's own rules), `--async-save`
 (an asynchronous ckpt_plugins save; `--ckpt-overlap`: returns at once, the snapshot running beside
-the next forward and backward until the optimizer step), `--non-persistent-save-interval` (saves to the memory tier,
+the next forward and backward until the optimizer step; `--ckpt-host-memory 8GiB`: staging within that
+budget, a bigger save streaming through it), `--non-persistent-save-interval` (saves to the memory tier,
 replicated to another host; a restart with `--load` = `--save` takes the newest of memory and the
 tracker's iteration, agreed by every rank), the iteration, FLOPs so far, consumed samples, the LR scheduler
 and RNG states (Python, NumPy, torch and Megatron's TP RNG tracker, per rank). `--load` may also name
@@ -59,6 +60,9 @@ def add_arguments(parser):
     group.add_argument("--ckpt-verify", action="store_true",
                        help="with --ckpt-backend bytecheckpoint: a load then proves the live model and optimizer hold "
                             "what was loaded (ckpt_plugins.load(verify=True))")
+    group.add_argument("--ckpt-host-memory", default=None, metavar="SIZE",
+                       help="with --ckpt-backend bytecheckpoint: the most host memory a rank stages saves in (bytes, or "
+                            "a size such as 8GiB); a bigger save streams through it")
     return parser
 
 
@@ -141,6 +145,14 @@ def saved_state(args, iteration, model, optimizer, opt_param_scheduler,
     return state
 
 
+def _checkpointer(args) -> cp.Checkpointer:
+    """The default Checkpointer, within --ckpt-host-memory."""
+    ckpt = cp.checkpointer()
+    if getattr(args, "ckpt_host_memory", None) is not None:
+        ckpt.host_memory = args.ckpt_host_memory
+    return ckpt
+
+
 def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far):
     from megatron.training import get_args
     args = get_args()
@@ -153,12 +165,12 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
     options = dict(framework="megatron", step=int(iteration), overwrite=True, layout=_layout(args),
                    hooks=SaveHooks(on_commit=write_tracker))
     if overlap or getattr(args, "async_save", False):
-        result = cp.save_async(path, state, overlap=overlap, **options)
+        result = _checkpointer(args).save_async(path, state, overlap=overlap, **options)
         # the forward and backward leave the saved tensors alone (train() finishes the distributed
         # optimizer's overlapped parameter all-gather before it saves); the step changes them
         _gate.hold(result, optimizer)
     else:
-        result = cp.save(path, state, **options)
+        result = _checkpointer(args).save(path, state, **options)
     _logged(result)
     return result
 
@@ -184,7 +196,7 @@ def memory_tier(args):
     """The run's memory tier (one per --save directory)."""
     from ckpt_plugins.ext import MemoryTier
     if args.save not in _tiers:
-        _tiers[args.save] = MemoryTier(cp.checkpointer(), args.save)
+        _tiers[args.save] = MemoryTier(_checkpointer(args), args.save)
     return _tiers[args.save]
 
 
@@ -216,7 +228,7 @@ def warm_up(model, optimizer, opt_param_scheduler) -> None:
     saves: `--save` and `--save-interval`)."""
     from megatron.training import get_args
     args = get_args()
-    cp.checkpointer().warm_up(saved_state(args, 0, model, optimizer, opt_param_scheduler, 0.0))
+    _checkpointer(args).warm_up(saved_state(args, 0, model, optimizer, opt_param_scheduler, 0.0))
 
 
 def _log_save(info: cp.SaveInfo) -> None:

@@ -125,7 +125,7 @@ def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, monkeyp
     storage = LocalStorage(str(tmp_path))
     job = engine.StagedWrite(storage, items)
     slot = StagingPool().acquire(job.nbytes)
-    writer = threading.Thread(target=job.write, args=(2,))
+    writer = threading.Thread(target=job.write)
     writer.start()  # the writers follow the snapshot's progress
     job.snapshot(slot.buffer, threads=threads)
     writer.join()
@@ -155,17 +155,58 @@ def test_saves_commit_in_order_and_staging_is_reused(tmp_path):
     assert handles[0].info.plan_cached is False and all(h.info.plan_cached for h in handles[1:])
 
 
-def test_staging_cap(tmp_path):
-    model = make()
+def slow_writes(monkeypatch, seconds):
+    """Every write call of the local storage takes `seconds` longer (a snapshot that outran the
+    writers would overwrite staged bytes not yet written)."""
+    from ckpt_plugins._src.storage import local
+    write = local._FileWriter.write
+    monkeypatch.setattr(local._FileWriter, "write", lambda self, data: (time.sleep(seconds), write(self, data))[1])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "overlap"])
+def test_a_save_bigger_than_the_host_memory_budget_streams_through_it(tmp_path, mode, monkeypatch):
+    """A quarter and an eighth of the save's bytes: every mode commits what the state was when the
+    call returned (async) or its snapshot ended (overlap), bit for bit, within the budget."""
+    slow_writes(monkeypatch, 0.002)
+    model = make(width=512, depth=4)  # 4 MiB of weights: windows of 256 KiB per file at an eighth
     need = sum(v.nbytes for v in model.state_dict().values())
-    with pytest.raises(cp.SaveError, match=r"MemoryError: this rank must stage .* MiB but the staging cap is"):
-        cp.Checkpointer(staging_cap_bytes=need // 2).save(tmp_path / "x", {"model": model})
-    # room for one slot only: saves still work, one at a time, never above the cap
-    ckpt = cp.Checkpointer(staging_cap_bytes=need + need // 2 + 8192)
+    for budget in (need // 4, need // 8):
+        ckpt = cp.Checkpointer(host_memory=budget)
+        before = values(model)
+        path = tmp_path / f"{mode}{budget}"
+        state = {"model": model, "epoch": 3}  # an object too: more data files than writer threads asked for
+        if mode == "sync":
+            ckpt.save(path, state)
+        else:
+            handle = ckpt.save_async(path, state, overlap=mode == "overlap")
+            handle.wait_snapshot()
+            with torch.no_grad():  # training goes on at once
+                for p in model.parameters():
+                    p.add_(1.0)
+            handle.wait()
+        assert 0 < ckpt.pool.allocated_bytes <= budget
+        fresh = make(seed=99, width=512, depth=4)
+        loaded = {"model": fresh, "epoch": None}
+        cp.load(path, loaded, verify=True)
+        assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items()) and loaded["epoch"] == 3
+        ckpt.close()
+
+
+def test_host_memory_takes_sizes_with_units_and_a_budget_too_small_to_stream_is_a_clear_error(tmp_path):
+    model = make()
+    assert cp.Checkpointer(host_memory="1.5MiB").host_memory == 3 << 19
+    with pytest.raises(ValueError, match=r"host_memory must be a positive number of bytes or a size such as '8GiB'"):
+        cp.Checkpointer(host_memory="8G")
+    with pytest.raises(cp.SaveError, match=r"a host-memory budget of 12288 bytes for staging is too small .* "
+                                           r"give it at least 16384 bytes"):
+        cp.Checkpointer(host_memory="12KiB").save(tmp_path / "x", {"model": model})
+    # room for one slot only: saves still work, one at a time, never above the budget
+    need = sum(v.nbytes for v in model.state_dict().values())
+    ckpt = cp.Checkpointer(host_memory=need + need // 2 + 8192)
     handles = [ckpt.save_async(tmp_path / f"y{i}", {"model": model}) for i in range(3)]
     for h in handles:
         h.wait()
-    assert ckpt.pool.allocated_bytes <= ckpt.pool.cap_bytes
+    assert ckpt.pool.allocated_bytes <= ckpt.host_memory
     assert_loads_as(tmp_path / "y2", values(model))
 
 

@@ -125,7 +125,8 @@ def test_trainer_async_saves_rotate_only_committed_checkpoints(tmp_path):
 def overlapped_run(rank, world, out_dir, result_path):
     """overlap=True with gradient accumulation: the save at step 2 returns before its snapshot,
     which here starts only once the optimizer's next step is due; the two forward and backward
-    passes of step 3 run beside it, and the step waits for it."""
+    passes of step 3 run beside it, and the step waits for it. With a host-memory budget below the
+    save, which then streams through it."""
     import threading
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -141,6 +142,7 @@ def overlapped_run(rank, world, out_dir, result_path):
             if state.global_step == 2:  # what checkpoint-2 must hold (the run saves again at its end)
                 seen["saved"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 seen["snapshot taken before the save returned"] = cp.checkpointer()._last._snapshot.is_set()
+                seen["handle"] = cp.checkpointer()._last
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             if "saved" in seen and "timer" not in seen:  # the snapshot may start 0.3 s after the step was due
@@ -151,9 +153,11 @@ def overlapped_run(rank, world, out_dir, result_path):
                              max_steps=3, save_strategy="steps", save_steps=2, learning_rate=1e-2, use_cpu=True,
                              report_to=[], seed=0, disable_tqdm=True)
     trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=Tokens(), callbacks=[Watch()])
-    hf_ext.trainer.enable(trainer, overlap=True)
+    hf_ext.trainer.enable(trainer, overlap=True, host_memory="64KiB")
     trainer.train()
     StagedWrite.snapshot = native
+    # bigger than the budget: streamed through it, the snapshot waiting for the writes
+    assert seen["handle"].wait().rank_bytes > 64 << 10 >= cp.checkpointer().pool.allocated_bytes > 0
     torch.save({"saved": seen["saved"], "early": seen["snapshot taken before the save returned"],
                 "final": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}, result_path)
 

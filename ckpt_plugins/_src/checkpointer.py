@@ -12,13 +12,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from .coordinator import Coordinator, checkpoint_groups
 from .loading import load
 from .plan_cache import PlanCache
 from .results import LoadResult, SaveHandle, SaveInfo
-from .options import NO_HOOKS, SaveHooks, SaveOptions
+from .options import NO_HOOKS, SaveHooks, SaveOptions, byte_size
 from .saving import Save
 from .warmup import WarmUp
 from .staging import StagingPool
@@ -35,10 +35,14 @@ class Checkpointer:
     (`bench/save_load.py`). `shared_memory`:
     ranks on one host pass read-once ranges through /dev/shm rather than the process group.
     `telemetry`: record every save's and load's phases (SaveInfo/LoadResult, `telemetry.json`).
+    `host_memory`: the most host memory this rank stages saves in (bytes, or a size such as
+    "8GiB"; None: as much as a save needs, twice over so that one save can snapshot while the
+    previous one writes). A save bigger than it streams through it: snapshot a part, write it,
+    reuse the memory; the snapshot then also waits for the writes of what did not fit.
     """
 
     def __init__(self, process_group=None, *, threads: int = 2, read_threads: int = 4,
-                 staging_cap_bytes: Optional[int] = None, direct_io: bool = True, shared_memory: bool = True,
+                 host_memory: Union[int, str, None] = None, direct_io: bool = True, shared_memory: bool = True,
                  timeout: timedelta = timedelta(minutes=10), telemetry: bool = True):
         self.process_group = process_group
         self.shared_memory = shared_memory
@@ -47,13 +51,22 @@ class Checkpointer:
         self.direct_io = direct_io
         self.timeout = timeout
         self.telemetry = telemetry
-        self.pool = StagingPool(staging_cap_bytes)
+        self.pool = StagingPool(byte_size(host_memory))
         self.cache = PlanCache(threads)
         self._fg: Optional[Coordinator] = None
         self._bg: Optional[Coordinator] = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")  # saves commit in order
         self._last: Optional[SaveHandle] = None
         self._warming: Optional[threading.Thread] = None
+
+    @property
+    def host_memory(self) -> Optional[int]:
+        return self.pool.cap_bytes
+
+    @host_memory.setter
+    def host_memory(self, value: Union[int, str, None]) -> None:
+        """For the framework hooks' switches; the next save stages within it."""
+        self.pool.cap_bytes = byte_size(value)
 
     def coordinator(self) -> Coordinator:
         """The foreground coordinator of the checkpoint's own gloo groups (created on first use),
@@ -75,7 +88,7 @@ class Checkpointer:
         exists only then) and with the state its saves will pass (`base` as they will). By
         default the work runs in a background thread at low priority, beside the next training
         steps; the next save or load waits for it. The slot is the one saves reuse, within
-        `staging_cap_bytes`."""
+        `host_memory`."""
         warm = WarmUp(state, self.coordinator(), self.pool, self.cache, base)
         if background:
             self._warming = threading.Thread(target=warm.run, args=(True,), name="ckpt-warm-up", daemon=True)
@@ -95,7 +108,7 @@ class Checkpointer:
         (framework, layout, step, overwrite, base); `hooks`: steps around the commit (`SaveHooks`).
         Writing starts while the later tensors are still being copied."""
         save = self._start(path, state, "sync", options, hooks)
-        self._executor.submit(save.write_and_commit, self._bg, self.threads)
+        self._executor.submit(save.write_and_commit, self._bg)
         save.snapshot()
         info = save.handle.wait()
         self._returned(save)
@@ -108,12 +121,16 @@ class Checkpointer:
         returns at once, the snapshot running beside the next forward and backward; call
         `handle.wait_snapshot()` before the next optimizer step."""
         save = self._start(path, state, "overlap" if overlap else "async", options, hooks)
+        streams = not self.pool.fits(save.job.nbytes)  # its snapshot waits for its writes
+        if streams:
+            self._executor.submit(save.write_and_commit, self._bg)
         if overlap:
             threading.Thread(target=save.snapshot, name="ckpt-snapshot", daemon=True).start()
         else:
             save.snapshot()  # training waits for this alone: it gets the cores to itself
         self._returned(save)
-        self._executor.submit(save.write_and_commit, self._bg, self.threads)  # following the snapshot
+        if not streams:
+            self._executor.submit(save.write_and_commit, self._bg)  # following the snapshot
         return save.handle
 
     def _start(self, path, state: Dict[str, Any], mode: str, options: Dict[str, Any], hooks: SaveHooks) -> Save:

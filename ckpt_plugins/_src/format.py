@@ -62,6 +62,27 @@ def chunk_checksums(data, chunk: int = CHUNK_BYTES) -> List[int]:
     return [_crc32c.crc32c(view[i:i + chunk]) for i in range(0, len(view), chunk)]
 
 
+class ChunkSums:
+    """`chunk_checksums` of an item whose bytes arrive in order, piece by piece: a save streaming
+    through a small staging buffer never holds a big item whole."""
+
+    def __init__(self, chunk: int = CHUNK_BYTES):
+        self.chunk, self._sums, self._crc, self._filled = chunk, [], 0, 0
+
+    def feed(self, data) -> None:
+        view, at = memoryview(data).cast("B"), 0
+        while at < len(view):
+            take = min(self.chunk - self._filled, len(view) - at)
+            self._crc = _crc32c.crc32c(view[at:at + take], self._crc)
+            self._filled, at = self._filled + take, at + take
+            if self._filled == self.chunk:
+                self._sums.append(self._crc)
+                self._crc = self._filled = 0
+
+    def result(self) -> List[int]:
+        return self._sums + [self._crc] if self._filled or not self._sums else list(self._sums)
+
+
 _OWN_FILE = re.compile(r"data/(?:g\d+-)?r\d+-(?:\d+|objects)\.bin")  # the names saves write: safe as they are
 
 

@@ -2,8 +2,26 @@
 runs around its commit (`SaveHooks`)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(value: Union[int, str, None], what: str = "host_memory") -> Optional[int]:
+    """A size given as bytes or as text with a unit ("8GiB", "512 MB"); None stays None."""
+    if value is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value) if isinstance(value, str) else None
+    if match is not None and match.group(2).lower() in _UNITS:
+        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{what} must be a positive number of bytes or a size such as '8GiB' or '512MB' "
+                         "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
+                         f"not {value!r}")
+    return value
 
 
 @dataclass(frozen=True)

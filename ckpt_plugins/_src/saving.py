@@ -158,7 +158,8 @@ class Save:
         def early(cached: CachedPlan) -> None:
             self.staged = contents.staged(self.storage, cached)
             self.job = self.staged.job
-            self._copy()
+            if self.pool.fits(self.job.nbytes):  # a save streaming through the pool copies beside its writes
+                self._copy()
 
         try:
             agreed = self.cache.plan(coord, contents.structure, failure, self.what,
@@ -173,7 +174,7 @@ class Save:
         except BaseException:
             self.release()
             raise
-        self._copied_early = self.job is not None and info.plan_cached
+        self._copied_early = self.slot is not None and info.plan_cached
         if not self._copied_early:
             self._release_slot()  # copied for a plan another rank's change made stale: copy again
             self.staged = contents.staged(self.storage, self.cached)
@@ -212,14 +213,14 @@ class Save:
 
     # ------------------------------------------------------------ write and commit (background)
 
-    def write_and_commit(self, bg: Coordinator, threads: int) -> None:
+    def write_and_commit(self, bg: Coordinator) -> None:
         """Write this rank's files as the snapshot progresses, then agree on the outcome over
         `bg`; the coordinator commits when every rank succeeded. Releases everything the save
         holds, whatever happens."""
         error: Optional[BaseException] = None
         try:
             bg.begin()
-            report = self._write(bg, threads)
+            report = self._write(bg)
             self._agree(bg, report)
             if self.hooks.then is not None:
                 self.hooks.then(bg, self.handle.info)
@@ -241,11 +242,11 @@ class Save:
         error.failures = list(getattr(exc, "failures", []))
         return error
 
-    def _write(self, bg: Coordinator, threads: int) -> WriteReport:
+    def _write(self, bg: Coordinator) -> WriteReport:
         """Write this rank's files; what it tells the coordinator (a failure too)."""
         job, info = self.job, self.handle.info
         try:
-            checksums = job.write(threads, self.recorder)
+            checksums = job.write(self.recorder)
             n = len(self.cached.writes)
             info.files = {job.stored_as(name): size for name, size in job.sizes.items()}
             return WriteReport(None, checksums[:n], {

@@ -3,7 +3,7 @@
 Allocated once, touched, page aligned, and reused: copying into touched memory is several times
 faster than cloning into fresh memory (page faults; `bench/snapshot_copy.py`), and aligned buffers
 let the local backend write with O_DIRECT. Two slots alternate so a save can snapshot while the previous one writes;
-the total never exceeds the cap. Pinned when tensors live on a GPU.
+the total never exceeds the cap (a save bigger than the cap streams through one slot). Pinned when tensors live on a GPU.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ class StagingSlot:
         with room for objects that grow between saves (RNG states, schedulers, client state): a
         slot that grows is faulted in again, the cost a warm-up took off the first save."""
         self.fresh_bytes = 0
-        if self.buffer is None or self.buffer.numel() < nbytes or (pin and not self.buffer.is_pinned()):
+        if (self.buffer is None or self.buffer.numel() < nbytes or (pin and not self.buffer.is_pinned())
+                or (limit is not None and self.buffer.numel() > limit)):  # the budget was lowered
             self.buffer = None  # release before allocating: the cap counts both
             room = nbytes + nbytes // 64
             self.buffer = aligned_empty(room if limit is None else max(nbytes, min(room, limit)), pin)
@@ -53,17 +54,18 @@ class StagingPool:
     def allocated_bytes(self) -> int:
         return sum(s.buffer.numel() for s in self._slots if s.buffer is not None)
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a save of `nbytes` is staged whole (otherwise it streams through the cap)."""
+        return self.cap_bytes is None or align_up(nbytes) <= self.cap_bytes
+
     def acquire(self, nbytes: int, pin: bool = False) -> StagingSlot:
-        """A slot holding `nbytes`, waiting for one to be released if both are busy.
+        """A slot for a save of `nbytes`, waiting for one to be released if both are busy.
 
         When two slots of this size would exceed the cap, only one is used (the next save then
-        waits for the previous one's writes). More than the cap for one slot is an error.
+        waits for the previous one's writes); when one would, that one holds the cap and the save
+        streams through it (`engine.window`).
         """
         need = align_up(nbytes)
-        if self.cap_bytes is not None and need > self.cap_bytes:
-            raise MemoryError(f"this rank must stage {need / 2**20:.1f} MiB but the staging cap is "
-                              f"{self.cap_bytes / 2**20:.1f} MiB; raise staging_cap_bytes or save "
-                              "from more ranks")
         single = self.cap_bytes is not None and 2 * need > self.cap_bytes
         with self._cond:
             while True:
@@ -75,7 +77,8 @@ class StagingPool:
                 self._cond.wait()
         if single:
             self._slots[1].buffer = None
-        slot.ensure(nbytes, pin, None if self.cap_bytes is None else self.cap_bytes // (1 if single else 2) // PAGE * PAGE)
+        limit = None if self.cap_bytes is None else self.cap_bytes // (1 if single else 2) // PAGE * PAGE
+        slot.ensure(nbytes if self.fits(nbytes) else limit, pin, limit)
         return slot
 
     def _release(self, slot: StagingSlot) -> None:

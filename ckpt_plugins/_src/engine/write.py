@@ -1,9 +1,12 @@
 """The save side of execution: snapshot a rank's share of a save into staging memory and write
-its data files from there. What to write where was decided by `plan`.
+its data files from there. What to write where was decided by `plan`; where it sits in the
+staging buffer, by `window`.
 
 A pipeline over one staging buffer: the snapshot copies items into it file by file in offset
 order, and one writer thread per file follows the snapshot's progress, writing aligned pieces as
-soon as they are staged and checksumming each item once it is complete.
+soon as they are staged and checksumming them as they go. A save bigger than the buffer streams
+through it window by window: the snapshot copies a window once the writers have written the one
+that used its half of the buffer before.
 """
 from __future__ import annotations
 
@@ -16,11 +19,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..format import chunk_checksums
+from ..format import ChunkSums
 from .. import hostmem
-from ..hostmem import align_up
 from ..storage import Storage
 from ..telemetry import Recorder
+from .window import Window, Windows, plan_windows
 
 PIECE = 8 << 20  # bytes per write call: big enough for the disk, small enough to pipeline
 COPY_PIECE = 4 << 20  # bytes per snapshot copy: threads share big tensors, writers follow early
@@ -46,16 +49,14 @@ class StagedWrite:
         self.sizes: Dict[str, int] = {}
         for item in self.items:
             self.sizes[item.file] = max(self.sizes.get(item.file, 0), item.offset + item.nbytes)
-        self.base: Dict[str, int] = {}
-        total = 0
-        for name in sorted(self.sizes):
-            self.base[name] = total
-            total += align_up(self.sizes[name])
-        self.nbytes = total
+        self.nbytes = sum(hostmem.align_up(size) for size in self.sizes.values())  # staged whole
         self.buffer: Optional[torch.Tensor] = None
         self.stored_as: Callable[[str], str] = str  # where a planned file is written (an overwrite's generation)
+        self._windows: Optional[Windows] = None  # set by the snapshot, from its buffer's size
+        self._unwritten: List[int] = []  # per window: its file ranges not yet written
+        self._freed = 0  # leading windows written: their halves of the buffer may be reused
         self._ready = {name: 0 for name in self.sizes}  # staged prefix of each file
-        self._failed: Optional[BaseException] = None
+        self._failed: Optional[Tuple[str, BaseException]] = None  # (which side, its error)
         self._cond = threading.Condition()
 
     @property
@@ -63,8 +64,15 @@ class StagedWrite:
         """Whether staging must be pinned: some source lives on a GPU."""
         return any(isinstance(i.source, torch.Tensor) and i.source.device.type == "cuda" for i in self.items)
 
+    @property
+    def streams(self) -> bool:
+        """Whether the snapshot is streaming through a buffer smaller than the save (its copy then
+        waits for the writers)."""
+        return self._windows is not None and self._windows.span is not None
+
     def snapshot(self, buffer: torch.Tensor, threads: int = 1) -> None:
-        """Copy every item into `buffer` (>= self.nbytes). Afterwards the sources may change.
+        """Copy every item into `buffer`, streaming through it window by window when it is smaller
+        than `self.nbytes` (the writers must be running then). Afterwards the sources may change.
 
         Contiguous host tensors are copied as byte pieces by `threads` threads with streaming
         stores (`hostmem.stream_copy`, the GIL released): one `copy_` per tensor forks and joins
@@ -74,109 +82,149 @@ class StagedWrite:
         """
         self.buffer = buffer
         try:
-            by_file = {name: sorted((i for i in self.items if i.file == name), key=lambda i: i.offset)
-                       for name in self.sizes}
-            # round-robin over files so every writer gets data early
-            order = [i for group in zip(*[_padded(v, max(map(len, by_file.values()), default=0))
-                                          for v in by_file.values()]) for i in group if i is not None]
-            pieces = [p for item in order for p in self._pieces(item, buffer)]
-            progress = _Progress(self, pieces)
-            own = [i for i, p in enumerate(pieces) if p.host is None]
-            shared = iter([i for i, p in enumerate(pieces) if p.host is not None])
-            take, errors = threading.Lock(), []
-
-            def copy_shared() -> None:
-                try:
-                    while not errors:
-                        with take:
-                            index = next(shared, None)
-                        if index is None:
-                            return
-                        pieces[index].run()
-                        progress.done(index)
-                except BaseException as exc:
-                    errors.append(exc)
-
-            helpers = [threading.Thread(target=copy_shared, name="ckpt-snapshot-copy", daemon=True)
-                       for _ in range(max(0, threads - 1))]
-            for t in helpers:
-                t.start()
-            try:
-                for index in own:
-                    pieces[index].run()
-                    progress.done(index)
-                copy_shared()
-            finally:
-                for t in helpers:
-                    t.join()
-            if errors:
-                raise errors[0]
-            with self._cond:  # alignment gaps after the last item count as staged too
-                self._ready = dict(self.sizes)
+            windows = plan_windows(self.sizes, buffer.numel())
+            with self._cond:
+                self._windows, self._unwritten = windows, [len(w.ranges) for w in windows.windows]
                 self._cond.notify_all()
+            for k, window in enumerate(windows.windows):
+                self._wait_freed(k - 1)  # window k reuses the half of window k - 2
+                self._copy_window(window, threads)
         except BaseException as exc:
             self.fail(exc)
             raise
 
-    def _pieces(self, item: StageItem, buffer: torch.Tensor) -> List["_Piece"]:
-        start = self.base[item.file] + item.offset
-        dest = buffer[start:start + item.nbytes]
-        src = item.source
-        if not isinstance(src, torch.Tensor):
-            return [_Piece(item.file, item.offset + item.nbytes, dest, src)]
-        src = src.detach()
-        if src.device.type != "cpu" or not src.is_contiguous() or src.is_conj() or src.is_neg() or not item.nbytes:
-            return [_Piece(item.file, item.offset + item.nbytes, dest, src)]
-        return [_Piece(item.file, item.offset + min(item.nbytes, at + COPY_PIECE), dest, src,
-                       host=(dest.data_ptr() + at, src.data_ptr() + at, min(COPY_PIECE, item.nbytes - at)))
-                for at in range(0, item.nbytes, COPY_PIECE)]
-
-    def fail(self, exc: BaseException) -> None:
-        """Stop the writers: the snapshot cannot complete."""
+    def _wait_freed(self, count: int) -> None:
         with self._cond:
-            self._failed = exc
+            while self._freed < count and self._failed is None:
+                self._cond.wait()
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            side, exc = self._failed
+            raise RuntimeError(f"{side} failed: {type(exc).__name__}: {exc}")
+
+    def _copy_window(self, window: Window, threads: int) -> None:
+        by_file = {name: [p for i in sorted((i for i in self.items if i.file == name), key=lambda i: i.offset)
+                          for p in self._pieces(i, window)]
+                   for name in window.ranges}
+        # round-robin over files so every writer gets data early
+        pieces = [p for group in zip(*[_padded(v, max(map(len, by_file.values()), default=0))
+                                       for v in by_file.values()]) for p in group if p is not None]
+        progress = _Progress(self, pieces)
+        own = [i for i, p in enumerate(pieces) if p.host is None]
+        shared = iter([i for i, p in enumerate(pieces) if p.host is not None])
+        take, errors = threading.Lock(), []
+
+        def copy_shared() -> None:
+            try:
+                while not errors:
+                    with take:
+                        index = next(shared, None)
+                    if index is None:
+                        return
+                    pieces[index].run()
+                    progress.done(index)
+            except BaseException as exc:
+                errors.append(exc)
+
+        helpers = [threading.Thread(target=copy_shared, name="ckpt-snapshot-copy", daemon=True)
+                   for _ in range(max(0, threads - 1))]
+        for t in helpers:
+            t.start()
+        try:
+            for index in own:
+                pieces[index].run()
+                progress.done(index)
+            copy_shared()
+        finally:
+            for t in helpers:
+                t.join()
+        if errors:
+            raise errors[0]
+        with self._cond:  # alignment gaps up to the window's end count as staged too
+            for name, (_, end) in window.ranges.items():
+                self._ready[name] = max(self._ready[name], end)
             self._cond.notify_all()
 
-    def write(self, threads: int, recorder: Optional[Recorder] = None) -> List[List[int]]:
-        """Write every file as the snapshot progresses; returns each item's chunk checksums.
+    def _pieces(self, item: StageItem, window: Window) -> List["_Piece"]:
+        """The pieces of `item` that fall in `window`: its bytes [start, end) there."""
+        lo, hi = window.ranges.get(item.file, (0, 0))
+        start, end = max(lo, item.offset) - item.offset, min(hi, item.offset + item.nbytes) - item.offset
+        if start >= end:
+            return []
+        at = window.place(item.file, item.offset + start)
+        dest = self.buffer[at:at + end - start]
+        src = item.source
+        if not isinstance(src, torch.Tensor):
+            return [_Piece(item.file, item.offset + end, dest, memoryview(src)[start:end])]
+        src = src.detach()
+        if src.device.type != "cpu" or not src.is_contiguous() or src.is_conj() or src.is_neg():
+            whole = start == 0 and end == item.nbytes
+            return [_Piece(item.file, item.offset + end, dest, src, span=None if whole else (start, end))]
+        return [_Piece(item.file, item.offset + min(end, at + COPY_PIECE), dest, src,
+                       host=(dest.data_ptr() + at - start, src.data_ptr() + at, min(COPY_PIECE, end - at)))
+                for at in range(start, end, COPY_PIECE)]
+
+    def fail(self, exc: BaseException, side: str = "snapshot") -> None:
+        """Stop the other side (the writers, or a streaming snapshot): this one cannot complete."""
+        with self._cond:
+            if self._failed is None:
+                self._failed = (side, exc)
+            self._cond.notify_all()
+
+    def write(self, recorder: Optional[Recorder] = None) -> List[List[int]]:
+        """Write every file as the snapshot progresses, a thread per file (a streaming snapshot
+        needs every file's writer to free its window); returns each item's chunk checksums.
         `recorder` gets each file's write (seconds spent in the storage, bytes, O_DIRECT bytes,
         retries) and the checksums' seconds."""
         checksums: List[List[int]] = [[] for _ in self.items]
         recorder = recorder or Recorder("save", "", 0, enabled=False)
-        with ThreadPoolExecutor(max(1, min(threads, len(self.sizes))), thread_name_prefix="ckpt-write") as pool:
-            list(pool.map(lambda name: self._write_file(name, checksums, recorder), sorted(self.sizes)))
+        try:
+            with ThreadPoolExecutor(max(1, len(self.sizes)), thread_name_prefix="ckpt-write") as pool:
+                list(pool.map(lambda name: self._write_file(name, checksums, recorder), sorted(self.sizes)))
+        except BaseException:
+            if self._failed is not None and self._failed[0] == "writing":
+                raise self._failed[1]  # the writer that failed first, not one it stopped
+            raise
         return checksums
 
     def _write_file(self, name: str, checksums: List[List[int]], recorder: Recorder) -> None:
-        size, base = self.sizes[name], self.base[name]
-        pending = sorted((i for i, it in enumerate(self.items) if it.file == name),
-                         key=lambda i: self.items[i].offset)
+        size = self.sizes[name]
         first, busy, summing = time.time(), 0.0, 0.0
         writer = self.storage.open_writer(self.stored_as(name))
         try:
+            sums = _FileSums(self.items, name)
             pos = 0
             while pos < size:
-                target = min(size, pos + PIECE)
                 with self._cond:
+                    while self._windows is None and self._failed is None:
+                        self._cond.wait()
+                    self._raise_if_failed()
+                    k = self._windows.index(pos)
+                    window = self._windows.windows[k]
+                    end = window.ranges[name][1]
+                    target = min(end, pos + PIECE)
                     while self._ready[name] < target and self._failed is None:
                         self._cond.wait()
-                    if self._failed is not None:
-                        raise RuntimeError(f"snapshot failed: {type(self._failed).__name__}: {self._failed}")
+                    self._raise_if_failed()
                 t = time.time()
-                writer.write(_bytes(self.buffer[base + pos:base + target]))
+                data = _bytes(self.buffer[window.place(name, pos):window.place(name, target)])
+                writer.write(data)
                 busy += time.time() - t
-                pos = target
                 t = time.time()
-                while pending and self.items[pending[0]].offset + self.items[pending[0]].nbytes <= pos:
-                    index = pending.pop(0)
-                    start = base + self.items[index].offset
-                    checksums[index] = chunk_checksums(_bytes(self.buffer[start:start + self.items[index].nbytes]))
+                sums.feed(pos, data)
                 summing += time.time() - t
+                pos = target
+                if pos == end:
+                    self._written(k)
             t = time.time()
             writer.close()  # fsync: part of the write
             busy += time.time() - t
-        except BaseException:
+            sums.into(checksums)
+        except BaseException as exc:
             writer.close()
+            self.fail(exc, "writing")
             raise
         end = time.time()
         recorder.add("write", first, end, size, busy=busy, files=1, direct_bytes=writer.direct_bytes,
@@ -186,6 +234,39 @@ class StagedWrite:
             {"file": name, "bytes": size, "start": first, "end": end, "seconds": round(busy, 6),
              "direct_bytes": writer.direct_bytes, "retries": writer.retries})
 
+    def _written(self, k: int) -> None:
+        """One file's range of window `k` is written: the window's half is free once all are."""
+        with self._cond:
+            self._unwritten[k] -= 1
+            while self._freed < len(self._unwritten) and not self._unwritten[self._freed]:
+                self._freed += 1
+            self._cond.notify_all()
+
+
+class _FileSums:
+    """The chunk checksums of one file's items, fed the file's bytes in order as they are written."""
+
+    def __init__(self, items: Sequence[StageItem], name: str):
+        self.order = deque(sorted((i for i, it in enumerate(items) if it.file == name), key=lambda i: items[i].offset))
+        self.items, self.sums = items, {i: ChunkSums() for i in self.order}
+
+    def feed(self, pos: int, data: memoryview) -> None:
+        """Bytes [pos, pos + len(data)) of the file."""
+        end = pos + len(data)
+        for index in self.order:
+            item = self.items[index]
+            if item.offset >= end:
+                break
+            start, stop = max(pos, item.offset), min(end, item.offset + item.nbytes)
+            if start < stop:
+                self.sums[index].feed(data[start - pos:stop - pos])
+        while self.order and self.items[self.order[0]].offset + self.items[self.order[0]].nbytes <= end:
+            self.order.popleft()
+
+    def into(self, checksums: List[List[int]]) -> None:
+        for index, sums in self.sums.items():
+            checksums[index] = sums.result()
+
 
 @dataclass
 class _Piece:
@@ -193,19 +274,34 @@ class _Piece:
     file: str
     end: int
     dest: torch.Tensor
-    source: Union[torch.Tensor, bytes]  # also keeps a host copy's source alive
+    source: Union[torch.Tensor, memoryview]  # also keeps a host copy's source alive
     host: Optional[Tuple[int, int, int]] = None  # (dest, src, nbytes) for a plain host copy
+    span: Optional[Tuple[int, int]] = None  # only these bytes of a tensor source (a streamed window)
 
     def run(self) -> None:
         if self.host is not None:
             hostmem.stream_copy(*self.host)
         elif isinstance(self.source, torch.Tensor):
             src = self.source
-            self.dest.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+            if self.span is None:
+                self.dest.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+            else:
+                self.dest.copy_(_byte_range(src, *self.span), non_blocking=True)
             if src.device.type != "cpu":
                 torch.cuda.synchronize()
         else:
             memoryview(self.dest.numpy())[:] = self.source
+
+
+def _byte_range(src: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Bytes [start, end) of `src` as laid out contiguously, on its device, copying at most the
+    rows they span (a strided source has no bytes of its own to slice)."""
+    if src.dim() == 0:
+        return src.resolve_conj().resolve_neg().reshape(1).view(torch.uint8)[start:end]
+    row = src[0].numel() * src.element_size()
+    first, last = start // row, -(-end // row)
+    block = src[first:last].resolve_conj().resolve_neg().contiguous()
+    return block.reshape(-1).view(torch.uint8)[start - first * row:end - first * row]
 
 
 class _Progress:
