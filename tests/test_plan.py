@@ -198,25 +198,30 @@ def test_planning_pauses_the_garbage_collector_and_gives_it_back():
 def test_staging_windows_hold_a_save_whole_when_it_fits_and_stream_it_through_two_halves_otherwise():
     from ckpt_plugins._src.engine.window import MIN_SPAN, plan_windows
     mib = 1 << 20
-    sizes = {"d/r0-0.bin": 5 * mib + 3, "d/r0-1.bin": 2 * mib, "d/r0-objects.bin": 0}
+    sizes = {"d/r0-0.bin": 5 * mib + 3, "d/r0-1.bin": 2 * mib, "d/r0-objects.bin": 100, "d/r0-2.bin": 0}
     whole = plan_windows(sizes, 8 * mib)
-    assert whole.span is None and len(whole.windows) == 1
-    assert whole.windows[0].ranges == {"d/r0-0.bin": (0, 5 * mib + 3), "d/r0-1.bin": (0, 2 * mib)}
-    assert whole.windows[0].at == {"d/r0-0.bin": 0, "d/r0-1.bin": 5 * mib + 4096, "d/r0-objects.bin": 7 * mib + 4096}
+    assert whole.spans is None and len(whole.windows) == 1
+    assert whole.windows[0].ranges == {"d/r0-0.bin": (0, 5 * mib + 3), "d/r0-1.bin": (0, 2 * mib),
+                                       "d/r0-objects.bin": (0, 100)}
+    assert whole.windows[0].at == {"d/r0-0.bin": 0, "d/r0-1.bin": 5 * mib + 4096,
+                                   "d/r0-2.bin": 7 * mib + 4096, "d/r0-objects.bin": 7 * mib + 4096}
     room = 3 * mib
     streamed = plan_windows(sizes, room)
-    span = streamed.span
-    assert span == mib // 2 and len(streamed.windows) == 11
+    # each file's span its share of a half: every window holds the same part of each big file
+    assert len(streamed.windows) == 5 and streamed.spans["d/r0-objects.bin"] == MIN_SPAN
+    assert abs(streamed.spans["d/r0-0.bin"] / streamed.spans["d/r0-1.bin"] - 2.5) < 0.01
     for name, size in sizes.items():  # every byte of a file in one window, in order
         ranges = [w.ranges[name] for w in streamed.windows if name in w.ranges]
+        span = streamed.spans[name]
         assert [r[0] for r in ranges] == list(range(0, size, span)) and (ranges[-1][1] if ranges else 0) == size
-        assert all(streamed.index(lo) == k and streamed.index(hi - 1) == k for k, (lo, hi) in enumerate(ranges))
+        assert all(streamed.index(name, lo) == k and streamed.index(name, hi - 1) == k for k, (lo, hi) in enumerate(ranges))
     for k, window in enumerate(streamed.windows):  # within the room; a window's half is not the next one's
         spans = sorted((window.place(n, lo), window.place(n, hi)) for n, (lo, hi) in window.ranges.items())
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= room
         assert all((start < room // 2) == (k % 2 == 0) for start, _ in spans)
-    with pytest.raises(MemoryError, match=f"too small to stream this rank's 3 data files through: give it at least {6 * MIN_SPAN} bytes"):
-        plan_windows(sizes, 6 * MIN_SPAN - 1)
+    with pytest.raises(MemoryError, match=f"too small to stream this rank's 4 data files through: give it at least {8 * MIN_SPAN} bytes"):
+        plan_windows(sizes, 8 * MIN_SPAN - 1)
+    assert len(plan_windows(sizes, 8 * MIN_SPAN).windows) > 1
 
 
 def test_checksums_fed_in_any_pieces_are_those_of_the_whole_item():

@@ -64,12 +64,6 @@ class StagedWrite:
         """Whether staging must be pinned: some source lives on a GPU."""
         return any(isinstance(i.source, torch.Tensor) and i.source.device.type == "cuda" for i in self.items)
 
-    @property
-    def streams(self) -> bool:
-        """Whether the snapshot is streaming through a buffer smaller than the save (its copy then
-        waits for the writers)."""
-        return self._windows is not None and self._windows.span is not None
-
     def snapshot(self, buffer: torch.Tensor, threads: int = 1) -> None:
         """Copy every item into `buffer`, streaming through it window by window when it is smaller
         than `self.nbytes` (the writers must be running then). Afterwards the sources may change.
@@ -201,7 +195,7 @@ class StagedWrite:
                     while self._windows is None and self._failed is None:
                         self._cond.wait()
                     self._raise_if_failed()
-                    k = self._windows.index(pos)
+                    k = self._windows.index(name, pos)
                     window = self._windows.windows[k]
                     end = window.ranges[name][1]
                     target = min(end, pos + PIECE)
