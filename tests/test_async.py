@@ -101,10 +101,12 @@ def test_a_load_waits_for_an_overlapped_snapshot_of_the_state_it_fills(tmp_path,
     assert_loads_as(tmp_path / "o", before)
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, monkeypatch):
+@pytest.mark.parametrize("threads, room", [(1, None), (3, None), (1, 16 << 10), (3, 16 << 10)])
+def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, room, monkeypatch):
     """Host tensors go as memmove pieces on several threads, the rest on the caller's thread; the
-    files hold each item's bytes at its offset whatever order the pieces finish in."""
+    files hold each item's bytes at its offset whatever order the pieces finish in. `room`: a
+    buffer smaller than the job, streamed through window by window: strided tensors, objects and
+    host tensors are copied in parts."""
     from ckpt_plugins._src.engine import write as engine
     from ckpt_plugins._src.staging import StagingPool
     monkeypatch.setattr(engine, "COPY_PIECE", 4096)  # many pieces per tensor, finishing out of order
@@ -124,10 +126,10 @@ def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, monkeyp
         offsets[name] += items[-1].nbytes + 64  # a gap, as alignment leaves
     storage = LocalStorage(str(tmp_path))
     job = engine.StagedWrite(storage, items)
-    slot = StagingPool().acquire(job.nbytes)
+    buffer = StagingPool().acquire(job.nbytes).buffer if room is None else torch.zeros(room, dtype=torch.uint8)
     writer = threading.Thread(target=job.write)
     writer.start()  # the writers follow the snapshot's progress
-    job.snapshot(slot.buffer, threads=threads)
+    job.snapshot(buffer, threads=threads)
     writer.join()
     for item, src in zip(items, sources):
         data = (tmp_path / item.file).read_bytes()[item.offset:item.offset + item.nbytes]

@@ -34,17 +34,21 @@ def mutate(model):
             p.mul_(-3.0).add_(1.0)
 
 
-@pytest.mark.parametrize("mode", ["async", "overlap"])
-def test_saves_of_cuda_tensors_stage_in_pinned_memory_and_load_anywhere(tmp_path, mode):
+@pytest.mark.parametrize("mode, budget", [("async", None), ("overlap", None), ("async", 4), ("overlap", 4)])
+def test_saves_of_cuda_tensors_stage_in_pinned_memory_and_load_anywhere(tmp_path, mode, budget):
+    """`budget`: host_memory of a quarter of the rank's bytes, the pinned staging counted in it;
+    the save streams through it, device-to-host copies of parts of tensors."""
     model, opt = trained("cuda")
     expected = host_values(model, opt)
-    ckpt = cp.Checkpointer()
+    rank_bytes = sum(v.nbytes for v in expected.values())
+    ckpt = cp.Checkpointer(host_memory=None if budget is None else rank_bytes // budget)
     handle = ckpt.save_async(tmp_path / "g", {"model": model, "optim": opt}, overlap=mode == "overlap")
     handle.wait_snapshot()
     mutate(model)  # the next step runs on the GPU at once: the snapshot must already be whole
     handle.wait()
     staged = [s.buffer for s in ckpt.pool._slots if s.buffer is not None]
     assert staged and all(b.is_pinned() for b in staged)
+    assert budget is None or ckpt.pool.allocated_bytes <= rank_bytes // budget
     for device in ("cpu", "cuda"):
         fresh, fresh_opt = trained(device, seed=1)
         cp.load(tmp_path / "g", {"model": fresh, "optim": fresh_opt})
