@@ -126,6 +126,21 @@ def test_s3_errors_as_s3fs_raises_them_are_retried_when_transient(code, transien
         assert len(calls) == 1
 
 
+def test_connection_errors_as_botocore_and_aiohttp_raise_them_are_transient():
+    """Their texts name no mark ("Could not connect to the endpoint URL"): their classes do. A
+    first version looked at the classes' metaclass names, so a refused connection was never
+    retried (found by the soak: a SeaweedFS restart failed the jobs' listings at once)."""
+    from aiohttp import ClientConnectorError
+    from aiohttp.client_reqrep import ConnectionKey
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
+    from ckpt_plugins._src.storage.fsspec import is_transient
+    key = ConnectionKey("127.0.0.1", 9, False, True, None, None, None)
+    for exc in (EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), ConnectTimeoutError(endpoint_url="u"),
+                ReadTimeoutError(endpoint_url="u"), ClientConnectorError(key, OSError(111, "refused"))):
+        assert is_transient(exc), type(exc).__name__
+    assert not is_transient(ValueError("Could not connect"))
+
+
 @pytest.mark.parametrize("outage, succeeds", [(40.0, True), (70.0, False)])
 def test_a_store_refusing_connections_for_a_while_is_waited_out_until_the_storage_timeout(outage, succeeds, monkeypatch):
     """Every attempt fails at once while the store is down (connection refused, as during a

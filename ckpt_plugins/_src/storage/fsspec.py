@@ -38,7 +38,7 @@ def is_transient(exc: BaseException) -> bool:
     while exc is not None and seen < 8:  # s3fs turns an S3 error into an OSError caused by it
         if isinstance(exc, (ConnectionError, TimeoutError)):
             return True
-        text = " ".join([type(c).__name__ for c in type(exc).__mro__] + [str(exc)])
+        text = " ".join([c.__name__ for c in type(exc).__mro__] + [str(exc)])
         if any(mark in text for mark in _TRANSIENT_MARKS):
             return True
         exc, seen = exc.__cause__, seen + 1
