@@ -172,15 +172,18 @@ def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
               aliases: Optional[Dict[str, str]] = None, digests: Optional[Sequence] = None) -> SavePlan:
     """Build the global save plan from every rank's tensor specs (index = rank).
 
-    `digests[rank]`: the digest of the rank's whole spec list, or its `spec_runs`. Steps: the
+    `digests[rank]`: the digest of the rank's whole spec list, or its `spec_runs`; a run's specs
+    are read from its first holder alone (others may pass None in their place). Steps: the
     distinct boxes (runs several ranks hold alike, such as data-parallel replicas, are validated
-    once), big replicated boxes cut into row ranges, each piece assigned to the least-loaded rank
-    holding it (biggest first), then placed in files.
+    once); a box one rank alone holds is its to write; big replicated boxes are cut into row
+    ranges, each piece assigned to the least-loaded rank holding it (biggest first); then all are
+    placed in files.
     """
     metas: Dict[str, TensorMeta] = {}
     boxes = _distinct_boxes(tensors, digests, metas)
-    assigned, load = _assign(_pieces(boxes), boxes, len(tensors))
-    return _place(tensors, assigned, load, metas, files_per_rank, aliases)
+    assigned, load = [_RankWrites() for _ in tensors], LeastLoaded(len(tensors))
+    _assign(_pieces(boxes, assigned, load), boxes, assigned, load)
+    return _place(assigned, load, metas, files_per_rank, aliases)
 
 
 def _distinct_boxes(tensors: Sequence[Sequence[TensorSpec]], digests: Optional[Sequence],
@@ -232,9 +235,10 @@ def _check_specs(specs: Sequence[TensorSpec], metas: Dict[str, TensorMeta], rank
             raise ValueError(f"{spec.key}: rank {rank}'s box {spec.box} lies outside shape {list(spec.shape)}")
 
 
-def _pieces(boxes: Dict[Tuple[str, Box], _Box]) -> List[_Piece]:
-    """The boxes as writers write them: replicated boxes big enough are cut into row ranges, so
-    several holders write them in parallel."""
+def _pieces(boxes: Dict[Tuple[str, Box], _Box], assigned: List["_RankWrites"], load: "LeastLoaded") -> List[_Piece]:
+    """The replicated boxes as writers write them: those big enough are cut into row ranges, so
+    several holders write them in parallel. A box one rank alone holds (most at scale: optimizer
+    shards) goes to that rank here, with no choice to make."""
     holder_sets: Dict[Tuple[int, ...], Tuple[int, ...]] = {}  # by the runs holding a box
     pieces: List[_Piece] = []
     for box, entry in boxes.items():
@@ -243,6 +247,11 @@ def _pieces(boxes: Dict[Tuple[str, Box], _Box]) -> List[_Piece]:
         ranks = holder_sets.get(by_runs)
         if ranks is None:
             ranks = holder_sets[by_runs] = tuple(r for h in holdings for r in h.starts)
+        if len(ranks) == 1:
+            rank, (starts, index) = ranks[0], holdings[0]
+            assigned[rank].add(starts[rank] + index, box[0], box[1], nbytes)
+            load.add(rank, nbytes)
+            continue
         key, (offs, lens) = box
         n = min(len(ranks), nbytes // SPLIT_BYTES, lens[0] if lens else 1)
         if n < 2:
@@ -258,28 +267,30 @@ def _pieces(boxes: Dict[Tuple[str, Box], _Box]) -> List[_Piece]:
 
 @dataclass
 class _RankWrites:
-    """What one rank writes, before placement in files: its spec index, box and size per write."""
+    """What one rank writes, before placement in files: its spec index, key, box and size per write."""
     indices: List[int] = field(default_factory=list)
+    keys: List[str] = field(default_factory=list)
     boxes: List[Box] = field(default_factory=list)
     sizes: List[int] = field(default_factory=list)
 
+    def add(self, index: int, key: str, box: Box, nbytes: int) -> None:
+        self.indices.append(index)
+        self.keys.append(key)
+        self.boxes.append(box)
+        self.sizes.append(nbytes)
 
-def _assign(pieces: List[_Piece], boxes: Dict[Tuple[str, Box], _Box], world: int):
-    """Each piece to the least-loaded rank holding it, biggest first: (what each rank writes; the
-    bytes each rank writes)."""
-    load = LeastLoaded(world)
-    assigned = [_RankWrites() for _ in range(world)]
+
+def _assign(pieces: List[_Piece], boxes: Dict[Tuple[str, Box], _Box], assigned: List[_RankWrites],
+            load: "LeastLoaded") -> None:
+    """Each piece to the least-loaded rank holding it, biggest first (into `assigned` and `load`)."""
     for piece in sorted(pieces, key=lambda p: (-p.nbytes, p.key, p.box)):
         rank = load.pick(piece.ranks)
-        mine = assigned[rank]
-        mine.indices.append(next(h.starts[rank] + h.index for h in boxes[piece.parent].holdings if rank in h.starts))
-        mine.boxes.append(piece.box)
-        mine.sizes.append(piece.nbytes)
+        index = next(h.starts[rank] + h.index for h in boxes[piece.parent].holdings if rank in h.starts)
+        assigned[rank].add(index, piece.key, piece.box, piece.nbytes)
         load.add(rank, piece.nbytes)
-    return assigned, load
 
 
-def _place(tensors: Sequence[Sequence[TensorSpec]], assigned: List[_RankWrites], load: "LeastLoaded",
+def _place(assigned: List[_RankWrites], load: "LeastLoaded",
            metas: Dict[str, TensorMeta], files_per_rank: int, aliases: Optional[Dict[str, str]]) -> SavePlan:
     """Files and byte offsets of every rank's writes, and the metadata's stored boxes."""
     writes: List[List[WriteItem]] = []
@@ -289,17 +300,17 @@ def _place(tensors: Sequence[Sequence[TensorSpec]], assigned: List[_RankWrites],
         placed, used = place(mine.sizes, data_file_names(rank, files_per_rank))
         files.update(used)
         items, entries = [], []
-        for index, box, nbytes, (f, o) in zip(mine.indices, mine.boxes, mine.sizes, placed):
+        for index, key, box, nbytes, (f, o) in zip(mine.indices, mine.keys, mine.boxes, mine.sizes, placed):
             items.append(WriteItem(index, box, f, o))
             entry = StoredBox(file=f, offset=o, nbytes=nbytes, crc32c=[], offsets=box[0], lengths=box[1])
-            metas[tensors[rank][index].key].boxes.append(entry)
+            metas[key].boxes.append(entry)
             entries.append(entry)
         writes.append(items)
         stored.append(entries)
     for meta in metas.values():
         meta.boxes.sort(key=lambda b: b.offsets)
     metadata = Metadata(tensors=dict(sorted(metas.items())), objects={}, files=dict(sorted(files.items())),
-                        aliases=dict(aliases or {}), world_size=len(tensors), chunk_bytes=CHUNK_BYTES)
+                        aliases=dict(aliases or {}), world_size=len(assigned), chunk_bytes=CHUNK_BYTES)
     return SavePlan(writes=writes, stored=stored, metadata=metadata, rank_bytes=load.load)
 
 

@@ -1,12 +1,15 @@
 """The save plan, cached across saves: while every rank's fragment structure is unchanged, a save
 costs one all-reduce of two flags (stale? failed?) instead of gathering specs and scattering a
-new plan."""
+new plan. A new plan gathers each distinct run of specs once: the ranks send their runs'
+digests, and the first holder of each run its specs (data-parallel replicas send their weights'
+specs once between them)."""
 from __future__ import annotations
 
 import hashlib
 import pickle
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+import itertools
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .coordinator import Coordinator
 from .errors import SaveError
@@ -42,10 +45,20 @@ class Agreed:
 
 
 @dataclass
+class RunsWanted:
+    """The coordinator's answer to a rank's run digests: the runs whose specs it sends (those it
+    is the first holder of)."""
+    runs: List[int]
+
+
+@dataclass
 class PlanRequest:
-    """What one rank tells the coordinator when some rank's cached plan is stale."""
-    structure: Structure
+    """What one rank tells the coordinator when some rank's cached plan is stale: its runs, the
+    specs of the runs asked for, and its aliases and objects."""
     runs: List[Run]  # spec_runs(specs): runs DP replicas hold alike are planned once
+    specs: Dict[int, List[TensorSpec]]  # run index -> its specs
+    aliases: Dict[str, str]
+    objects: List[str]
 
 
 @dataclass
@@ -88,14 +101,18 @@ class PlanCache:
             coord.agree(failure, what=what, then=then, default=SaveError)
         if not any_stale:
             return Agreed(self.cached, True, generation)
-        gathered: List[PlanRequest] = coord.gather(PlanRequest(structure, runs))
+        digests = coord.gather(runs)
+        wanted: RunsWanted = coord.scatter(_wanted(digests) if coord.is_coordinator else None)
+        starts = [0, *itertools.accumulate(r.count for r in runs)]
+        gathered: List[PlanRequest] = coord.gather(PlanRequest(
+            runs, {i: structure.specs[starts[i]:starts[i + 1]] for i in wanted.runs}, structure.aliases, structure.objects))
         plan, replies = None, None
         if coord.is_coordinator:
             try:
-                plan = plan_save([g.structure.specs for g in gathered], files_per_rank=self.files_per_rank,
-                                 aliases={k: v for g in gathered for k, v in g.structure.aliases.items()},
+                plan = plan_save([_spec_list(g) for g in gathered], files_per_rank=self.files_per_rank,
+                                 aliases={k: v for g in gathered for k, v in g.aliases.items()},
                                  digests=[g.runs for g in gathered])
-                objects = assign_objects([g.structure.objects for g in gathered])
+                objects = assign_objects([g.objects for g in gathered])
                 replies = [PlanReply(None, w, o, plan.balance) for w, o in zip(plan.writes, objects)]
             except Exception as exc:
                 replies = [PlanReply(RankFailure.of(coord.rank, exc), [])] * coord.world_size
@@ -104,3 +121,21 @@ class PlanCache:
             raise failure_error([reply.failure], f"planning {what}", then, SaveError)
         self.cached = CachedPlan(key, reply.writes, reply.objects, plan, reply.balance)
         return Agreed(self.cached, False, generation)
+
+
+def _wanted(runs: Sequence[List[Run]]) -> List[RunsWanted]:
+    """Which runs each rank sends the specs of: every distinct run, by its first holder (the rank
+    `plan_save` reads it from)."""
+    first: Dict[bytes, int] = {}
+    for rank, mine in enumerate(runs):
+        for run in mine:
+            first.setdefault(run.digest, rank)
+    return [RunsWanted([i for i, run in enumerate(mine) if first[run.digest] == rank]) for rank, mine in enumerate(runs)]
+
+
+def _spec_list(request: PlanRequest) -> List[Optional[TensorSpec]]:
+    """A rank's spec list as `plan_save` reads it: the specs it sent, None in the runs it did not."""
+    out: List[Optional[TensorSpec]] = []
+    for i, run in enumerate(request.runs):
+        out.extend(request.specs.get(i, itertools.repeat(None, run.count)))
+    return out
