@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import itertools
 import math
 import pickle
 import random
@@ -35,7 +34,7 @@ import tracemalloc
 
 from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
 from ckpt_plugins._src.fragment import flat_views
-from ckpt_plugins._src.plan_cache import PlanReply, PlanRequest, Structure, _spec_list, _wanted
+from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request, _spec_list, _wanted
 from ckpt_plugins._src.saving import WriteReport
 from ckpt_plugins._src.plan import TensorSpec, data_file_names, assign_transfers, plan_load, plan_save, read_request, runs_of, spec_runs
 
@@ -198,8 +197,7 @@ def collectives(gathered, rank_runs, plan) -> dict:
     for rank, (specs, runs) in enumerate(zip(gathered, rank_runs)):
         flat += len(pickle.dumps((Structure(specs, {}, []), runs)))
         digests += len(pickle.dumps(runs))
-        starts = [0, *itertools.accumulate(r.count for r in runs)]
-        blobs.append(pickle.dumps(PlanRequest(runs, {i: specs[starts[i]:starts[i + 1]] for i in wanted[rank].runs}, {}, [])))
+        blobs.append(pickle.dumps(_request(Structure(specs, {}, []), runs, wanted[rank])))
         reply += len(pickle.dumps(wanted[rank])) + len(pickle.dumps(PlanReply(None, plan.writes[rank], [], plan.balance)))
         sizes = {f: plan.metadata.files[f] for f in data_file_names(rank, FILES_PER_RANK) if f in plan.metadata.files}
         commit += len(pickle.dumps(WriteReport(None, [e.crc32c for e in plan.stored[rank]], {}, sizes)))

@@ -3,7 +3,7 @@ import pytest
 
 from ckpt_plugins._src.errors import LoadMismatchError
 from ckpt_plugins._src.plan import TensorSpec, plan_load, plan_save, spec_runs
-from ckpt_plugins._src.plan_cache import PlanRequest, _spec_list, _wanted
+from ckpt_plugins._src.plan_cache import Structure, _request, _spec_list, _wanted
 
 
 def spec(key, shape, offsets=None, lengths=None, dtype="float32"):
@@ -36,8 +36,7 @@ def test_runs_replicas_hold_alike_are_planned_once_with_the_same_plan():
     # what the coordinator gathers: each distinct run's specs from its first holder alone
     wanted = _wanted(runs)
     assert [w.runs for w in wanted] == [[0, 1], [1], [1], [1]]
-    sent = [PlanRequest(r, {i: ranks[k][sum(n for _, n in r[:i]):][:r[i].count] for i in w.runs}, {}, [])
-            for k, (r, w) in enumerate(zip(runs, wanted))]
+    sent = [_request(Structure(specs, {}, []), r, w) for specs, r, w in zip(ranks, runs, wanted)]
     gathered = plan_save([_spec_list(g) for g in sent], 2, digests=runs)
     assert gathered.metadata == by_specs.metadata and gathered.writes == by_specs.writes
 

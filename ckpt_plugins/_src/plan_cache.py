@@ -6,9 +6,9 @@ specs once between them)."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import pickle
 from dataclasses import dataclass, field
-import itertools
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .coordinator import Coordinator
@@ -103,9 +103,7 @@ class PlanCache:
             return Agreed(self.cached, True, generation)
         digests = coord.gather(runs)
         wanted: RunsWanted = coord.scatter(_wanted(digests) if coord.is_coordinator else None)
-        starts = [0, *itertools.accumulate(r.count for r in runs)]
-        gathered: List[PlanRequest] = coord.gather(PlanRequest(
-            runs, {i: structure.specs[starts[i]:starts[i + 1]] for i in wanted.runs}, structure.aliases, structure.objects))
+        gathered: List[PlanRequest] = coord.gather(_request(structure, runs, wanted))
         plan, replies = None, None
         if coord.is_coordinator:
             try:
@@ -131,6 +129,13 @@ def _wanted(runs: Sequence[List[Run]]) -> List[RunsWanted]:
         for run in mine:
             first.setdefault(run.digest, rank)
     return [RunsWanted([i for i, run in enumerate(mine) if first[run.digest] == rank]) for rank, mine in enumerate(runs)]
+
+
+def _request(structure: Structure, runs: List[Run], wanted: RunsWanted) -> PlanRequest:
+    """A rank's request: the specs of the runs the coordinator asked it for."""
+    starts = [0, *itertools.accumulate(r.count for r in runs)]
+    return PlanRequest(runs, {i: structure.specs[starts[i]:starts[i + 1]] for i in wanted.runs}, structure.aliases,
+                       structure.objects)
 
 
 def _spec_list(request: PlanRequest) -> List[Optional[TensorSpec]]:
