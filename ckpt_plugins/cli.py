@@ -30,7 +30,7 @@ def _summary(metadata: Metadata) -> dict:
         "status": "committed", "format": getattr(metadata, "source", "") or "ckpt_plugins", "version": metadata.version, "framework": metadata.framework,
         "layout": metadata.layout, "step": metadata.step, "world_size": metadata.world_size,
         "total_bytes": metadata.total_bytes, "files": metadata.files, "tensors": tensors,
-        "aliases": metadata.aliases,
+        "aliases": metadata.aliases, "casts": metadata.casts,
         "objects": {k: [{"rank": o.rank, "encoding": o.encoding, "nbytes": o.nbytes} for o in v]
                     for k, v in metadata.objects.items()},
     }
@@ -53,8 +53,9 @@ def cmd_inspect(args) -> int:
           f"{info['total_bytes'] / 1e6:.2f} MB in {len(info['files'])} files")
     width = max([len(k) for k in info["tensors"]] + [3])
     for key, t in info["tensors"].items():
-        print(f"  {key:<{width}}  {str(tuple(t['shape'])):<20} {t['dtype']:<9} "
-              f"{len(t['boxes']):>3} box(es) {t['bytes']:>12,} B")
+        stored = (f"cast of {info['casts'][key]}" if key in info["casts"]
+                  else f"{len(t['boxes']):>3} box(es) {t['bytes']:>12,} B")
+        print(f"  {key:<{width}}  {str(tuple(t['shape'])):<20} {t['dtype']:<9} {stored}")
         if args.boxes:
             for b in t["boxes"]:
                 print(f"      offsets {b['offsets']} lengths {b['lengths']} -> {b['file']}@{b['offset']}")

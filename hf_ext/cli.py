@@ -1,6 +1,7 @@
 """`bcp export` and `bcp import-hf`: registered with the core's `bcp` through an entry point."""
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -22,7 +23,7 @@ def parse_size(text: str) -> int:
 
 def cmd_export(args) -> int:
     from ckpt_plugins.ext import progress_bar
-    from ckpt_plugins.ext import open_checkpoint
+    from ckpt_plugins.ext import dtype_from_name, open_checkpoint
 
     from .safetensors_io import export_hf, export_peft
     if args.format == "dcp":
@@ -36,9 +37,10 @@ def cmd_export(args) -> int:
         print(f"wrote adapter {args.adapter!r} to {args.out}: {', '.join(files)}")
         return 0
     _, metadata = open_checkpoint(args.path)
-    total = sum(b.nbytes for k, t in metadata.tensors.items() if k.startswith("model/") for b in t.boxes)
-    progress = progress_bar(total, "export")
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    total = sum(math.prod(t.shape) * (dtype or dtype_from_name(t.dtype)).itemsize
+                for k, t in metadata.tensors.items() if k.startswith("model/"))  # the bytes written
+    progress = progress_bar(total, "export")
     files = export_hf(args.path, args.out, max_shard_bytes=parse_size(args.max_shard_size), dtype=dtype,
                       merge_adapter=args.adapter if args.merge_adapters else None, progress=progress.update)
     progress.close()

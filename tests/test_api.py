@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import ckpt_plugins as cp
+from ckpt_plugins.cli import main as bcp
 
 
 class TinyLM(nn.Module):
@@ -172,7 +173,7 @@ def test_metadata_is_versioned_plain_json(tmp_path):
     model, _, _ = make(0)
     cp.save(tmp_path / "c", {"model": model}, framework="torch", layout={"dp": 1}, step=7)
     raw = json.loads((tmp_path / "c" / "metadata.json").read_text())
-    assert raw["format"] == "ckpt_plugins" and raw["version"] == 2 and raw["step"] == 7
+    assert raw["format"] == "ckpt_plugins" and raw["version"] == 3 and raw["step"] == 7
     # the tensor table's columns, read as the format specification says, with numpy alone
     column = {name: np.frombuffer(base64.b64decode(raw["tensors"][name]), dtype=t)
               for name, t in (("ndim", "<u1"), ("shape", "<i8"), ("dtype", "<u1"))}
@@ -197,6 +198,32 @@ def test_fp32_model_loads_the_masters_of_a_mixed_precision_checkpoint(tmp_path):
     half = make(1, tied=False)[0].to(torch.float16)
     with pytest.raises(cp.LoadMismatchError, match="wants float16, but the checkpoint holds no float16 copy"):
         cp.load(tmp_path / "c", {"model": half})
+
+
+def test_weights_equal_to_their_masters_cast_are_stored_once_and_others_stored_themselves(tmp_path):
+    """A mixed-precision state stores its fp32 masters only, the weights recorded as their cast;
+    a weight changed since (one element, one bf16 step) is stored itself and loads as it was."""
+    model, _, _ = make(0, tied=False)
+    masters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    low = make(0, tied=False)[0].to(torch.bfloat16)
+    state = {"model": low, "optim": {n: {"master": m} for n, m in masters.items()}}
+    cp.save(tmp_path / "cast", state)
+    meta = cp.read_metadata(tmp_path / "cast")
+    assert meta.casts == {f"model/{n}": f"optim/{n}/master" for n in masters}
+    assert meta.total_bytes == sum(m.numel() * 4 for m in masters.values()) + sum(
+        o[0].nbytes for o in meta.objects.values())  # no byte of a weight
+    with torch.no_grad():
+        low.norm.weight[3] = torch.nextafter(low.norm.weight[3], torch.tensor(9.0, dtype=torch.bfloat16))
+    changed = low.state_dict()["norm.weight"].clone()
+    cp.save(tmp_path / "edited", state)
+    assert cp.read_metadata(tmp_path / "edited").casts == {}
+    for path, norm in (("cast", masters["norm.weight"].to(torch.bfloat16)), ("edited", changed)):
+        fresh = make(1, tied=False)[0].to(torch.bfloat16)
+        cp.load(tmp_path / path, {"model": fresh}, strict=False)
+        assert torch.equal(fresh.norm.weight, norm), path
+        assert all(torch.equal(p, masters[n].to(torch.bfloat16)) for n, p in fresh.named_parameters() if n != "norm.weight")
+    assert bcp(["verify", str(tmp_path / "cast")]) == 0
+    assert bcp(["diff", str(tmp_path / "cast"), str(tmp_path / "edited")]) == 1  # one element of norm.weight
 
 
 def test_an_optimizer_load_replaces_the_live_state_as_torch_does(tmp_path):

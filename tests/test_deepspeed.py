@@ -58,6 +58,18 @@ def saved(tmp_path_factory):
     return str(root)
 
 
+def test_bf16_weights_are_stored_as_their_fp32_masters_cast(saved):
+    """Every stage in bf16 copies its masters into the weights after the step: the save stores
+    the masters once and records the weights as their cast (the loads below check the bits);
+    frozen parameters have no master and keep their weights."""
+    for stage, bf16, acc32 in CONFIGS:
+        meta = cp.read_metadata(os.path.join(saved, name(stage, bf16, acc32), "global_step2"))
+        weights = {k for k in meta.tensors if k.startswith("model/")}
+        mastered = {k for k in weights if f"optim/{k[6:]}/master" in meta.tensors}
+        assert set(meta.casts) == mastered and (len(mastered) == len(weights) - 1 if bf16 else not mastered)
+        assert not any(meta.tensors[k].boxes for k in mastered), name(stage, bf16, acc32)
+
+
 def test_every_stage_reloads_on_one_process_in_any_stage_and_precision(saved):
     cases = [(c, c, False) for c in CONFIGS]
     cases += [((3, True, False), (1, True, False), False), ((1, False, False), (3, False, False), False),

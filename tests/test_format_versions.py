@@ -15,10 +15,10 @@ from torch import nn
 
 import ckpt_plugins as cp
 from ckpt_plugins.cli import main as bcp
-from ckpt_plugins.ext import LoadItems, SaveItems, box_fragment
+from ckpt_plugins.ext import MODEL, LoadItems, SaveItems, box_fragment, master_key
 
 FIXTURES = Path(__file__).parent / "fixtures"
-VERSIONS = [1, 2]
+VERSIONS = [1, 2, 3]
 # denormal, NaN payloads (quiet, signalling), -0.0: values torch.equal cannot tell apart or calls unequal
 SPECIALS = torch.tensor([1, 0x7FC00001, 0x7F800001, -(1 << 31)], dtype=torch.int32).view(torch.float32)
 
@@ -29,7 +29,25 @@ def values() -> dict:
     return {"rows": torch.randn(6, 5, generator=g), "bf16": torch.randn(3, 4, generator=g).to(torch.bfloat16),
             "ints": torch.arange(-5, 7, dtype=torch.int64), "specials": SPECIALS.clone(),
             "weight": torch.randn(2, 3, generator=g), "exp_avg": torch.randn(2, 3, generator=g),
-            "exp_avg_sq": torch.rand(2, 3, generator=g)}
+            "exp_avg_sq": torch.rand(2, 3, generator=g), "master": torch.randn(4, 2, generator=g)}
+
+
+class Mixed(cp.Handler):
+    """A bf16 weight beside its fp32 master, this rank's rows of it (from version 3 on, stored
+    once: the weight as the master's cast)."""
+
+    def __init__(self, master, rank):
+        self.master, self.weight, self.rank = master, master.to(torch.bfloat16), rank
+
+    def fragments(self):
+        return [box_fragment(f"{MODEL}/mixed", (4, 2), (0, 0), self.weight),
+                box_fragment(master_key("mixed"), (4, 2), (2 * self.rank, 0), self.master[2 * self.rank:2 * self.rank + 2])]
+
+    def save_items(self, prefix):
+        return SaveItems(fragments=self.fragments())
+
+    def load_items(self, prefix, metadata):
+        return LoadItems(fragments=self.fragments())
 
 
 def model_and_optimizer(v=None):
@@ -61,7 +79,8 @@ def write_fixture(rank, world, path):
     model, opt = model_and_optimizer(v)
     cp.save(path, {"model": model, "optim": opt, "rows": Rows(v["rows"][3 * rank:3 * rank + 3], rank),
                    "bf16": v["bf16"], "ints": v["ints"], "specials": v["specials"],
-                   "extra": {"epoch": 3, "note": "format fixture"}}, framework="torch", layout={"dp": world}, step=7)
+                   "extra": {"epoch": 3, "note": "format fixture"}, "mixed": Mixed(v["master"], rank)},
+            framework="torch", layout={"dp": world}, step=7)
 
 
 def test_every_format_version_ever_written_loads_bit_for_bit(tmp_path, capsys):
@@ -74,6 +93,9 @@ def test_every_format_version_ever_written_loads_bit_for_bit(tmp_path, capsys):
         model, opt = model_and_optimizer()
         got = {"model": model, "optim": opt, "rows": torch.zeros(6, 5), "bf16": torch.zeros(3, 4, dtype=torch.bfloat16),
                "ints": torch.zeros(12, dtype=torch.int64), "specials": torch.zeros(4), "extra": {"epoch": 0, "note": ""}}
+        if version >= 3:
+            got["mixed"] = Mixed(torch.zeros(4, 2), 0)
+            got["mixed"].weight.zero_()
         cp.load(str(path), got)
         for key in ("rows", "bf16", "ints"):
             assert torch.equal(got[key], v[key]), (version, key)
@@ -83,6 +105,10 @@ def test_every_format_version_ever_written_loads_bit_for_bit(tmp_path, capsys):
         assert state["step"].item() == 3.0
         assert torch.equal(state["exp_avg"], v["exp_avg"]) and torch.equal(state["exp_avg_sq"], v["exp_avg_sq"])
         assert got["extra"] == {"epoch": 3, "note": "format fixture"}
+        if version >= 3:  # the weight: the master's rows of both ranks, cast
+            assert meta.casts == {f"{MODEL}/mixed": master_key("mixed")}
+            assert torch.equal(got["mixed"].weight, v["master"].to(torch.bfloat16))
+            assert torch.equal(got["mixed"].master[:2], v["master"][:2])
         assert bcp(["verify", str(path)]) == 0, capsys.readouterr()
 
 

@@ -1,6 +1,7 @@
 """Fuzzing the metadata parser and the loader (hypothesis): random bytes, random JSON, mutated valid
-metadata (format versions 1 and 2, and single elements of version 2's columns), mutated data files. Only the project's own exceptions come out, and the loader never opens
-a file outside the checkpoint. Plus planted attacks: pickles that would run code, paths that leave."""
+metadata (format version 1 and today's, and single elements of the columns version 2 introduced),
+mutated data files. Only the project's own exceptions come out, and the loader never opens a file
+outside the checkpoint. Plus planted attacks: pickles that would run code, paths that leave."""
 import base64
 import dataclasses
 import importlib.util
@@ -47,6 +48,17 @@ def test_an_alias_to_anything_but_a_stored_key_is_a_metadata_error(valid, target
     raw = json.loads((valid / "metadata.json").read_text())
     raw["aliases"] = {"model/tied.weight": target}
     with pytest.raises(cp.MetadataError, match="alias model/tied.weight"):
+        decode_metadata(json.dumps(raw).encode())
+
+
+@pytest.mark.parametrize("casts", [{"model/0.weight": "model/1.weight"}, {"model/0.weight": "optim/x/master"},
+                                   {"model/x": "model/0.weight"}, {"model/0.weight": 3}, ["model/0.weight"]])
+def test_a_cast_that_is_no_fp32_masters_cast_is_a_metadata_error(valid, casts):
+    """A weight recorded as its master's cast must be an entry without boxes, its source a stored
+    fp32 tensor of its shape: anything else is refused before a byte is read."""
+    raw = json.loads((valid / "metadata.json").read_text())
+    raw["casts"] = casts
+    with pytest.raises(cp.MetadataError, match="cast"):
         decode_metadata(json.dumps(raw).encode())
 
 

@@ -107,3 +107,13 @@ def test_distributed_optimizer_checkpoints_reload_at_tp1pp2_and_tp1(saved):
 
 def test_distributed_optimizer_checkpoints_reload_on_one_process(saved):
     run_ranks(1, load_worker, saved, [Reload("tp2pp2_bf16", 1, 1, False), Reload("tp2dp2_fp32", 1, 1, True)])
+
+
+def test_bf16_weights_are_stored_as_their_fp32_masters_cast(saved):
+    """The distributed optimizer copies its masters into the weights each step: the bf16 save
+    stores the masters once, the weights recorded as their cast (loaded above, bit for bit)."""
+    meta = cp.read_metadata(os.path.join(saved, "tp2pp2_bf16"))
+    weights = [k for k in meta.tensors if k.startswith("model/") and f"optim/{k[6:]}/master" in meta.tensors]
+    assert weights and meta.casts == {k: f"optim/{k[6:]}/master" for k in weights}
+    assert not any(meta.tensors[k].boxes for k in weights)
+    assert cp.read_metadata(os.path.join(saved, "tp2dp2_fp32")).casts == {}  # fp32: the weights are the masters

@@ -171,6 +171,52 @@ def test_load_source_of_the_wanted_dtype_is_preferred_and_casts_need_consent():
     assert missing.missing == ["model/v"] and not missing.reads
 
 
+def test_weights_vouched_for_as_their_masters_cast_are_stored_as_the_masters():
+    """With every rank's word (`casts`), a 16-bit weight whose fp32 master covers it is a tensor
+    entry without boxes; the masters' boxes are read for it, and never widened as if they were it."""
+    from dataclasses import replace
+    rows = [[spec("model/w", (4, 2), dtype="bfloat16"), spec("optim/w/master", (4, 2), (2 * r, 0), (2, 2)),
+             spec("model/f", (3,), dtype="bfloat16"), spec("model/h", (2,), dtype="float16"),
+             spec("optim/h/master", (2,), (0,), (1,))] for r in range(2)]
+    plain, cast = plan_save(rows), plan_save(rows, casts=True)
+    assert plain.metadata.casts == {} and len(plain.metadata.tensors["model/w"].boxes) == 1
+    # f has no master, h's master covers half of it: both stay stored
+    assert cast.metadata.casts == {"model/w": "optim/w/master"}
+    assert cast.metadata.tensors["model/w"].boxes == [] and cast.metadata.tensors["model/w"].dtype == "bfloat16"
+    assert sum(cast.rank_bytes) == sum(plain.rank_bytes) - 4 * 2 * 2
+    assert all(w.index != 0 for ws in cast.writes for w in ws)  # no rank writes its spec 0, model/w
+    weights = spec("model/w", (4, 2), dtype="bfloat16")
+    (master, *rest) = plan_load(cast.metadata, [weights, spec("optim/w/master", (4, 2))]).reads
+    assert master.key == "optim/w/master" and len(master.copies) == 2  # one read fills the weight and the master
+    with pytest.raises(LoadMismatchError, match=r"model/w: the model wants float32, .*model/w is bfloat16"):
+        plan_load(cast.metadata, [replace(weights, dtype="float32")])  # widening the master is not the weight
+    assert plan_load(cast.metadata, [replace(weights, dtype="float16", cast=True)]).reads[0].key == "optim/w/master"
+
+
+def test_a_ranks_masters_are_checked_bit_for_bit_against_the_weights_it_holds(monkeypatch):
+    """The rank's word for `casts`: every fp32 master piece it holds, cast, equals the weight it
+    holds there in every bit (NaN payloads too), across chunk ends and unaligned pieces; a master
+    whose weight it does not hold cannot be vouched for; a master of an fp32 weight is no cast."""
+    import torch
+    from ckpt_plugins._src import casts
+    from ckpt_plugins._src.fragment import box_fragment
+    monkeypatch.setattr(casts, "CHUNK", 5)
+    master = torch.randn(7, 3)
+    master[2, 1] = torch.tensor(0x7FC00001, dtype=torch.int32).view(torch.float32)  # a NaN with a payload
+    weight = master.to(torch.bfloat16)
+
+    def frags(weight, rows=(1, 6)):  # this rank's master rows: a flat range of 15 elements
+        piece = master[rows[0]:rows[1]]
+        return [box_fragment("model/w", (7, 3), (0, 0), weight), box_fragment("optim/w/master", (7, 3), (rows[0], 0), piece)]
+    assert casts.masters_cast_exactly(frags(weight)) and casts.masters_cast_exactly(frags(weight, (0, 7)))
+    quiet = weight.clone()
+    quiet.view(torch.int16)[2, 1] ^= 1  # NaN still, another payload
+    assert not casts.masters_cast_exactly(frags(quiet))
+    assert casts.masters_cast_exactly(frags(quiet, (3, 7)))  # the changed element is not this rank's
+    assert not casts.masters_cast_exactly(frags(weight)[1:])  # a master without its weight
+    assert casts.masters_cast_exactly(frags(master.clone()))  # fp32 weights: the masters are no cast
+
+
 def test_planning_pauses_the_garbage_collector_and_gives_it_back():
     import gc
     import threading

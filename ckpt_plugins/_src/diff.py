@@ -139,7 +139,10 @@ class _Side:
         return tuple(self.meta(key).shape)
 
     def boxes(self, key: str) -> List[Box]:
-        return [(tuple(b.offsets), tuple(b.lengths)) for b in self.meta(key).boxes]
+        """Where the values lie: the master's boxes for a weight stored as its cast."""
+        stored = self.tensors[key]
+        meta = self.metadata.tensors[self.metadata.casts.get(stored, stored)]
+        return [(tuple(b.offsets), tuple(b.lengths)) for b in meta.boxes]
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         return read_box(self.storage, self.metadata, self.tensors[key], box[0], box[1])

@@ -19,12 +19,28 @@ import torch
 from .errors import MetadataError, UnsafePathError
 
 FORMAT_NAME = "ckpt_plugins"
-FORMAT_VERSION = 2  # 1: tables as JSON objects (still read); 2: as columns (format_v2)
+# 1: tables as JSON objects (still read); 2: as columns (format_v2); 3: weights stored as their
+# fp32 masters' cast (`Metadata.casts`)
+FORMAT_VERSION = 3
 METADATA_FILE = "metadata.json"
 DATA_DIR = "data"
 # Checksums cover fixed-size chunks of each stored item, so a partial (byte-range) read still
 # verifies every byte it uses while reading at most one extra chunk at each end.
 CHUNK_BYTES = 1 << 20
+
+# The state keys under which checkpoints move between frameworks: `model/<param>` holds weights in
+# the training dtype, `optim/<param>/<state>` the optimizer's, and `optim/<param>/master` the fp32
+# master weights of mixed-precision frameworks (stored only where they differ from the weights).
+MODEL, OPTIM, MASTER = "model", "optim", "master"
+
+
+def master_key(name: str) -> str:
+    """Where the fp32 master copy of parameter `name` is stored."""
+    return f"{OPTIM}/{name}/{MASTER}"
+
+
+CAST_DTYPES = ("bfloat16", "float16")  # weight dtypes a save may store as their fp32 masters' cast
+
 
 _DTYPES = {
     name: getattr(torch, name)
@@ -132,6 +148,9 @@ class Metadata:
     objects: Dict[str, List[ObjectMeta]]
     files: Dict[str, int]  # data file -> expected size in bytes
     aliases: Dict[str, str] = field(default_factory=dict)  # tied key -> stored key
+    # weight key -> its fp32 master's key: the weight (a tensor entry without boxes) is exactly
+    # the master cast to the weight's dtype, checked on every rank when saved (`casts`)
+    casts: Dict[str, str] = field(default_factory=dict)
     framework: str = "torch"
     layout: Dict[str, Any] = field(default_factory=dict)
     step: Optional[int] = None

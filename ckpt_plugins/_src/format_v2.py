@@ -213,6 +213,11 @@ class TensorTable(Mapping):
     def __contains__(self, key) -> bool:
         return key in self._index
 
+    def describe(self, key: str) -> Tuple[Tuple[int, ...], str, int]:
+        """A tensor's shape, dtype and box count, without building its boxes."""
+        dtype, s0, s1, first, last = self._tensor_rows[self._index[key]].tolist()
+        return tuple(self._shape[s0:s1].tolist()), self._dtypes[dtype], last - first
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)
 

@@ -2,7 +2,7 @@
 
 The envelope (format marker, version, step, layout, objects, aliases) is the same JSON in every
 version; the tensor and file tables are version 1's JSON objects (`format_v1`) or version 2's
-columns (`format_v2`).
+columns (`format_v2`, also version 3's, which adds `casts`).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 from . import format_v1, format_v2
 from .errors import MetadataError
-from .format import (FORMAT_NAME, FORMAT_VERSION, Metadata, ObjectMeta, check_in_file, item_fields, need, require_dict,
+from .format import (CAST_DTYPES, FORMAT_NAME, FORMAT_VERSION, Metadata, ObjectMeta, check_in_file, item_fields, need, require_dict,
                      require_int)
 from .gcpause import gc_paused
 
@@ -23,7 +23,7 @@ def encode_metadata(metadata: Metadata) -> bytes:
             "framework": metadata.framework, "layout": metadata.layout, "step": metadata.step,
             "world_size": metadata.world_size, **format_v2.encode_tables(metadata.tensors, metadata.files),
             "objects": {k: [asdict(o) for o in objs] for k, objs in metadata.objects.items()},
-            "aliases": metadata.aliases}
+            "aliases": metadata.aliases, "casts": metadata.casts}
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -54,15 +54,29 @@ def decode_metadata(data: bytes) -> Metadata:
     aliases = require_dict(raw.get("aliases", {}), "aliases")
     for alias, target in aliases.items():
         need(isinstance(target, str) and target in tensors, f"alias {alias} points to missing tensor {target!r}")
+    casts = _casts(raw.get("casts", {}) if version >= 3 else {}, tensors)
     step = raw.get("step")
     need(step is None or type(step) is int, "step must be an integer or null")
     layout = require_dict(raw.get("layout", {}), "layout")
     framework = raw.get("framework")
     need(isinstance(framework, str), "framework must be a string")
-    return Metadata(tensors=tensors, objects=objects, files=files, aliases=aliases,
+    return Metadata(tensors=tensors, objects=objects, files=files, aliases=aliases, casts=casts,
                     framework=framework, layout=layout, step=step,
                     world_size=require_int(raw.get("world_size"), "world_size", 1),
                     version=version, chunk_bytes=chunk_bytes)
+
+
+def _casts(raw, tensors) -> dict:
+    """Weights stored as their masters' cast: each an entry without boxes, its source an fp32
+    tensor of the same shape."""
+    for key, source in require_dict(raw, "casts").items():
+        need(isinstance(source, str) and source in tensors, f"cast {key} names missing tensor {source!r}")
+        need(key in tensors, f"cast {key} has no tensor entry")
+        (shape, dtype, boxes), (source_shape, source_dtype, _) = tensors.describe(key), tensors.describe(source)
+        need(not boxes, f"cast {key} must be a tensor entry without boxes")
+        need(source_dtype == "float32" and dtype in CAST_DTYPES and shape == source_shape,
+             f"cast {key} ({dtype} {list(shape)}) is no cast of {source} ({source_dtype} {list(source_shape)})")
+    return raw
 
 
 def _object(key: str, raw: dict, chunk_bytes: int) -> ObjectMeta:

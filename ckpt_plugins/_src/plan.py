@@ -17,7 +17,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .errors import LoadMismatchError
 from .gcpause import gc_paused
-from .format import CHUNK_BYTES, DATA_DIR, Metadata, StoredBox, TensorMeta, dtype_from_name, dtype_name
+from .format import (CAST_DTYPES, CHUNK_BYTES, DATA_DIR, MODEL, Metadata, StoredBox, TensorMeta, dtype_from_name,
+                     dtype_name, master_key)
 from .fragment import Box, Shape, flat_offset, intersect
 from .hostmem import DIRECT_MIN, PAGE
 
@@ -169,7 +170,8 @@ class _Piece(NamedTuple):
 
 @gc_paused
 def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
-              aliases: Optional[Dict[str, str]] = None, digests: Optional[Sequence] = None) -> SavePlan:
+              aliases: Optional[Dict[str, str]] = None, digests: Optional[Sequence] = None,
+              casts: bool = False) -> SavePlan:
     """Build the global save plan from every rank's tensor specs (index = rank).
 
     `digests[rank]`: the digest of the rank's whole spec list, or its `spec_runs`; a run's specs
@@ -177,13 +179,36 @@ def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
     distinct boxes (runs several ranks hold alike, such as data-parallel replicas, are validated
     once); a box one rank alone holds is its to write; big replicated boxes are cut into row
     ranges, each piece assigned to the least-loaded rank holding it (biggest first); then all are
-    placed in files.
+    placed in files. `casts`: every rank found its weights equal to its fp32 masters' cast
+    (`casts.masters_cast_exactly`), so the weights whose masters cover them are not written
+    (`weight_casts`).
     """
     metas: Dict[str, TensorMeta] = {}
     boxes = _distinct_boxes(tensors, digests, metas)
+    derived = weight_casts(metas, boxes) if casts else {}
+    for box in [b for b in boxes if b[0] in derived] if derived else ():
+        del boxes[box]
     assigned, load = [_RankWrites() for _ in tensors], LeastLoaded(len(tensors))
     _assign(_pieces(boxes, assigned, load), boxes, assigned, load)
-    return _place(assigned, load, metas, files_per_rank, aliases)
+    plan = _place(assigned, load, metas, files_per_rank, aliases)
+    plan.metadata.casts = dict(sorted(derived.items()))
+    return plan
+
+
+def weight_casts(metas: Dict[str, TensorMeta], boxes: Dict[Tuple[str, Box], "_Box"]) -> Dict[str, str]:
+    """The 16-bit weights (`model/<name>`) stored as their fp32 master (`master_key(name)`) of the
+    same shape, whose distinct boxes cover it exactly; weight key -> master key."""
+    pairs = {}
+    for key, meta in metas.items():
+        if key.startswith(MODEL + "/") and meta.dtype in CAST_DTYPES:
+            master = metas.get(master_key(key[len(MODEL) + 1:]))
+            if master is not None and master.dtype == "float32" and master.shape == meta.shape:
+                pairs[key] = master_key(key[len(MODEL) + 1:])
+    covered = dict.fromkeys(pairs.values(), 0)
+    for key, (_, lengths) in boxes if pairs else ():
+        if key in covered:
+            covered[key] += math.prod(lengths)
+    return {k: m for k, m in pairs.items() if covered[m] == math.prod(metas[m].shape)}
 
 
 def _distinct_boxes(tensors: Sequence[Sequence[TensorSpec]], digests: Optional[Sequence],
@@ -376,20 +401,22 @@ EXACT_WIDENING = {("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", 
 def choose_source(metadata: Metadata, spec: TensorSpec) -> Optional[str]:
     """The stored key that fills `spec`: the first candidate of the wanted dtype, else the first
     that widens to it exactly, else (when the spec allows a cast) the first present; None when no
-    candidate is stored."""
-    present = [resolve_key(metadata, k) for k in candidate_keys(spec)
-               if resolve_key(metadata, k) in metadata.tensors]
+    candidate is stored. A weight stored as its master's cast is a candidate of its own dtype,
+    filled from the master (never widened: that would give the master's values, not the weight's)."""
+    casts = metadata.casts
+    present = [(metadata.tensors[r].dtype, casts.get(r, r), r) for r in
+               (resolve_key(metadata, k) for k in candidate_keys(spec)) if r in metadata.tensors]
     if not present:
         return None
-    for key in present:
-        if metadata.tensors[key].dtype == spec.dtype:
+    for dtype, key, _ in present:
+        if dtype == spec.dtype:
             return key
-    for key in present:
-        if (metadata.tensors[key].dtype, spec.dtype) in EXACT_WIDENING:
+    for dtype, key, name in present:
+        if key == name and (dtype, spec.dtype) in EXACT_WIDENING:
             return key
     if spec.cast:
-        return present[0]
-    found = ", ".join(f"{k} is {metadata.tensors[k].dtype}" for k in present)
+        return present[0][1]
+    found = ", ".join(f"{name} is {d}" for d, _, name in present)
     raise LoadMismatchError(f"{spec.key}: the model wants {spec.dtype}, but the checkpoint holds no "
                             f"{spec.dtype} copy ({found}); convert the model or the checkpoint")
 

@@ -20,10 +20,12 @@ from .plan import Run, SavePlan, TensorSpec, WriteItem, assign_objects, plan_sav
 @dataclass
 class Structure:
     """What one rank's save is made of, for planning: its tensors' specs, the aliases of tied
-    tensors, and the keys of the replicated objects it holds (each is written by one holder)."""
+    tensors, the keys of the replicated objects it holds (each is written by one holder), and
+    whether its weights are its fp32 masters' cast (`casts.masters_cast_exactly`)."""
     specs: List[TensorSpec]
     aliases: Dict[str, str]
     objects: List[str]
+    casts: bool = False
 
 
 @dataclass
@@ -54,11 +56,12 @@ class RunsWanted:
 @dataclass
 class PlanRequest:
     """What one rank tells the coordinator when some rank's cached plan is stale: its runs, the
-    specs of the runs asked for, and its aliases and objects."""
+    specs of the runs asked for, its aliases and objects, and its `Structure.casts`."""
     runs: List[Run]  # spec_runs(specs): runs DP replicas hold alike are planned once
     specs: Dict[int, List[TensorSpec]]  # run index -> its specs
     aliases: Dict[str, str]
     objects: List[str]
+    casts: bool = False
 
 
 @dataclass
@@ -84,7 +87,7 @@ class PlanCache:
         rank's own cached plan holds (the caller may start copying with it)."""
         runs = spec_runs(structure.specs)
         key = hashlib.sha256(pickle.dumps((runs, sorted(structure.aliases.items()), sorted(structure.objects),
-                                           self.files_per_rank))).digest()
+                                           structure.casts, self.files_per_rank))).digest()
         stale = self.cached is None or self.cached.key != key
         run = None
         if meanwhile is not None and not stale and failure is None:
@@ -109,7 +112,7 @@ class PlanCache:
             try:
                 plan = plan_save([_spec_list(g) for g in gathered], files_per_rank=self.files_per_rank,
                                  aliases={k: v for g in gathered for k, v in g.aliases.items()},
-                                 digests=[g.runs for g in gathered])
+                                 digests=[g.runs for g in gathered], casts=all(g.casts for g in gathered))
                 objects = assign_objects([g.objects for g in gathered])
                 replies = [PlanReply(None, w, o, plan.balance) for w, o in zip(plan.writes, objects)]
             except Exception as exc:
@@ -135,7 +138,7 @@ def _request(structure: Structure, runs: List[Run], wanted: RunsWanted) -> PlanR
     """A rank's request: the specs of the runs the coordinator asked it for."""
     starts = [0, *itertools.accumulate(r.count for r in runs)]
     return PlanRequest(runs, {i: structure.specs[starts[i]:starts[i + 1]] for i in wanted.runs}, structure.aliases,
-                       structure.objects)
+                       structure.objects, structure.casts)
 
 
 def _spec_list(request: PlanRequest) -> List[Optional[TensorSpec]]:

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 import torch
 
 from .base_ref import leave_to_base
+from .casts import masters_cast_exactly
 from .commit import Commit, generation_file
 from .coordinator import Coordinator
 from .engine.write import StagedWrite, StageItem
@@ -76,6 +77,7 @@ class Contents:
     aliases: Dict[str, str] = field(default_factory=dict)
     replicated: Dict[str, Encoded] = field(default_factory=dict)
     per_rank: Dict[str, Encoded] = field(default_factory=dict)
+    casts: bool = False  # the weights are the masters' cast (`casts.masters_cast_exactly`)
 
     @classmethod
     def of(cls, state: Dict[str, Any], base, storage: Optional[Storage], rank: int) -> "Contents":
@@ -83,11 +85,11 @@ class Contents:
         if base is not None:
             leave_to_base(items, base, storage)
         return cls(rank, items.fragments, items.aliases, {k: encode_object(v) for k, v in items.objects.items()},
-                   {k: encode_object(v) for k, v in items.per_rank.items()})
+                   {k: encode_object(v) for k, v in items.per_rank.items()}, masters_cast_exactly(items.fragments))
 
     @property
     def structure(self) -> Structure:
-        return Structure(specs_of(self.fragments), self.aliases, sorted(self.replicated))
+        return Structure(specs_of(self.fragments), self.aliases, sorted(self.replicated), self.casts)
 
     def objects(self, replicated: List[str]) -> List[SavedObject]:
         """The objects this rank writes, the plan's `replicated` ones among them."""
@@ -299,7 +301,7 @@ class Save:
                 files.update(report.sizes)
             metadata = Metadata(tensors=plan.metadata.tensors, objects=dict(sorted(objects.items())),
                                 files=dict(sorted(files.items())), aliases=plan.metadata.aliases,
-                                world_size=plan.metadata.world_size, chunk_bytes=plan.metadata.chunk_bytes,
+                                casts=plan.metadata.casts, world_size=plan.metadata.world_size, chunk_bytes=plan.metadata.chunk_bytes,
                                 **self.options.recorded)
             with self.recorder.phase("metadata_write"):
                 self.commit.commit(metadata)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .errors import LoadMismatchError
-from .format import Metadata
+from .format import MASTER, MODEL, OPTIM, Metadata, master_key
 from .fragment import FlatPiece, Fragment
 from .hostmem import fresh_empty
 from .tensor_map import IDENTITY, TensorMap, is_dtensor, model_mapping, tensor_fragments
@@ -28,17 +28,6 @@ log = logging.getLogger(__name__)
 
 # Wrapper modules that add a path component without changing the model's own names.
 WRAPPER_COMPONENTS = ("_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module")
-
-# The state keys under which checkpoints move between frameworks: `model/<param>` holds weights in
-# the training dtype, `optim/<param>/<state>` the optimizer's, and `optim/<param>/master` the fp32
-# master weights of mixed-precision frameworks (stored only where they differ from the weights).
-MODEL, OPTIM, MASTER = "model", "optim", "master"
-
-
-def master_key(name: str) -> str:
-    """Where the fp32 master copy of parameter `name` is stored."""
-    return f"{OPTIM}/{name}/{MASTER}"
-
 
 def add_master_sources(prefix: str, fragments: List[Fragment]) -> List[Fragment]:
     """Let model weights be filled from fp32 masters: a checkpoint from a mixed-precision job may

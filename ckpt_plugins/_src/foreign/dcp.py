@@ -26,9 +26,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CorruptCheckpointError, NotACheckpointError
-from ..format import ObjectMeta, StoredBox, check_relative_path
+from ..format import MODEL, OPTIM, ObjectMeta, StoredBox, check_relative_path
 from ..objects import decode_object
-from ..state import MODEL, OPTIM
 from ..storage import Storage
 from .archive import TensorLocation, read_archive
 from .pickles import load_pickle_restricted

@@ -12,9 +12,8 @@ import torch
 
 from ..committed import read_object
 from ..errors import NotACheckpointError
-from ..format import dtype_from_name
+from ..format import MASTER, MODEL, OPTIM, dtype_from_name
 from ..offline import open_checkpoint, read_tensor
-from ..state import MASTER, MODEL, OPTIM
 
 
 def _placeholder(shape, dtype: torch.dtype) -> torch.Tensor:

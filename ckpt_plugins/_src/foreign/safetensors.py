@@ -18,9 +18,8 @@ import torch
 
 from ..errors import CorruptCheckpointError, NotACheckpointError
 from ..families.hf_config import HF_CONFIG
-from ..format import ObjectMeta, check_relative_path, dtype_from_name
+from ..format import MODEL, ObjectMeta, check_relative_path, dtype_from_name
 from ..storage import Storage
-from ..state import MODEL
 from .view import FOREIGN_CHUNK, BlockDequant, ForeignMetadata, raw_box, tensor_meta
 
 NAME = "HF safetensors"
