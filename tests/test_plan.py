@@ -209,6 +209,11 @@ def test_a_ranks_masters_are_checked_bit_for_bit_against_the_weights_it_holds(mo
         piece = master[rows[0]:rows[1]]
         return [box_fragment("model/w", (7, 3), (0, 0), weight), box_fragment("optim/w/master", (7, 3), (rows[0], 0), piece)]
     assert casts.masters_cast_exactly(frags(weight)) and casts.masters_cast_exactly(frags(weight, (0, 7)))
+    wide = torch.zeros(7, 5, dtype=torch.bfloat16)
+    wide[:, 1:4] = weight
+    assert casts.masters_cast_exactly(frags(wide[:, 1:4]))  # a strided weight (part of a fused tensor)
+    wide[5, 2] += 1
+    assert not casts.masters_cast_exactly(frags(wide[:, 1:4]))
     quiet = weight.clone()
     quiet.view(torch.int16)[2, 1] ^= 1  # NaN still, another payload
     assert not casts.masters_cast_exactly(frags(quiet))

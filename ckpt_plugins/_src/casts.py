@@ -28,7 +28,7 @@ def masters_cast_exactly(fragments: Sequence[Fragment]) -> bool:
     for frag in fragments:
         if frag.key.startswith(MODEL + "/"):
             weights.setdefault(frag.key, []).append(frag)
-    buffers: Dict[tuple, torch.Tensor] = {}
+    buffers = _Buffers()
     for master in fragments:
         if not (master.key.startswith(OPTIM + "/") and master.key.endswith("/" + MASTER)
                 and master.dtype == torch.float32 and master.local.numel()):
@@ -40,22 +40,41 @@ def masters_cast_exactly(fragments: Sequence[Fragment]) -> bool:
         weight = next((w for w in held if intersect(box, (tuple(w.offsets), tuple(w.lengths))) == box), None)
         if weight is None or weight.local.device != master.local.device:  # offloaded masters: not worth a copy
             return False
-        key = (weight.dtype, weight.local.device)
-        if key not in buffers:
-            buffers[key] = torch.empty(CHUNK, dtype=weight.dtype, device=weight.local.device)
-        if not _equal_cast(master.local, sub_view(weight.local, weight.offsets, box), buffers[key]):
+        if not _equal_cast(master.local, sub_view(weight.local, weight.offsets, box), buffers):
             return False
     return True
 
 
-def _equal_cast(master: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor) -> bool:
-    high, low = master.reshape(-1), weight.reshape(-1)
-    for start in range(0, high.numel(), buffer.numel()):
-        end = min(start + buffer.numel(), high.numel())
-        cast = buffer[:end - start]
-        cast.copy_(high[start:end])
-        words = _words(cast, low[start:end])
-        if not torch.equal(cast.view(words), low[start:end].view(words)):
+class _Buffers:
+    """Two reused buffers per weight dtype and device: the cast, and a strided weight packed."""
+
+    def __init__(self):
+        self.held: Dict[tuple, torch.Tensor] = {}
+
+    def get(self, like: torch.Tensor, numel: int, which: int) -> torch.Tensor:
+        key = (like.dtype, like.device, which)
+        buffer = self.held.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self.held[key] = torch.empty(max(numel, CHUNK), dtype=like.dtype, device=like.device)
+        return buffer[:numel]
+
+
+def _equal_cast(master: torch.Tensor, weight: torch.Tensor, buffers: _Buffers) -> bool:
+    """Row blocks of about CHUNK elements: strided views (a fused tensor's part) are packed into
+    the buffers, never copied into fresh memory."""
+    if not master.dim():
+        master, weight = master.reshape(1), weight.reshape(1)
+    row = master[0].numel()
+    step = max(1, CHUNK // max(row, 1))
+    for start in range(0, master.shape[0], step):
+        high, low = master[start:start + step], weight[start:start + step]
+        cast = buffers.get(low, high.numel(), 0).view(high.shape)
+        cast.copy_(high)
+        if not low.is_contiguous():
+            low = buffers.get(low, low.numel(), 1).view(low.shape).copy_(low)
+        cast, low = cast.reshape(-1), low.reshape(-1)
+        words = _words(cast, low)
+        if not torch.equal(cast.view(words), low.view(words)):
             return False
     return True
 
