@@ -37,7 +37,8 @@ from ._src.foreign.archive import TensorLocation, read_archive, read_located
 from ._src.foreign.view import FOREIGN_CHUNK, Transform, computed, raw_box, tensor_meta, view_boxes
 from ._src.foreign.dcp_export import export_dcp
 from ._src.foreign.safetensors import SAFE_INDEX, SAFE_NAME, ST_DTYPES as SAFETENSORS_DTYPES, safetensors_metadata
-from ._src.format import DATA_DIR, FORMAT_NAME, Metadata, dtype_from_name, dtype_name, stored_entries
+from ._src.format import (DATA_DIR, FORMAT_NAME, MASTER, MODEL, OPTIM, Metadata, dtype_from_name, dtype_name,
+                          master_key, stored_entries)
 from ._src.fragment import Box, FlatPiece, Fragment, Shape, box_fragment, flat_views
 from ._src.offline import LazyFragment, open_checkpoint, read_tensor, write_checkpoint
 from ._src.optional import MissingDependency, UnsupportedVersion, require, require_version
@@ -46,8 +47,8 @@ from ._src.plan import TensorSpec, choose_source
 from ._src.progress import progress_bar
 from ._src.results import take_finished
 from ._src.step_gate import StepGate
-from ._src.state import (MASTER, MODEL, OPTIM, DictHandler, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
-                    PerRank, SaveItems, add_master_sources, canonical_name, flat_layout, frozen_keys, master_key,
+from ._src.state import (DictHandler, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
+                    PerRank, SaveItems, add_master_sources, canonical_name, flat_layout, frozen_keys,
                     plain_layout, register_handler, saved_groups)
 from ._src.storage import AlignedStream, LocalStorage, Storage, register_scheme, storage_for
 from ._src.tensor_map import ModelMapping, TensorMap, model_mapping, register_model_mapping, tensor_fragments, tensor_map

@@ -6,7 +6,8 @@ import torch
 
 from ckpt_plugins._src.format import dtype_name
 from ckpt_plugins._src.offline import open_checkpoint, read_tensor
-from ckpt_plugins._src.state import MASTER, MODEL, root_handler
+from ckpt_plugins._src.format import MASTER, MODEL
+from ckpt_plugins._src.state import root_handler
 
 
 def assert_matches(path, state: dict, weights_only: bool = False, under: tuple = ("",)) -> int:

@@ -1,13 +1,14 @@
 """Whether a rank's 16-bit weights are exactly its fp32 masters' cast, so a save may store the
-masters once (`plan.weight_casts` decides which weights, from every rank's word).
+masters once (`plan.drop_cast_weights` decides which weights, from every rank's word).
 
 Mixed-precision frameworks (DeepSpeed bf16, Megatron's distributed optimizer) copy each step's
 fp32 masters back into the weights, so the weights are normally their cast, but a user may have
 changed them since (a weight loaded alone, a hand edit): the rule is checked on the bytes about
 to be saved, never assumed. Each rank checks the masters it holds against the weights it holds
 over the same region; a rank holding a master whose weight it does not hold cannot vouch for it.
-The check runs in the save call, so it casts a chunk at a time into one buffer and compares bits
-as 64-bit words: fresh memory and float comparisons cost several times more.
+The check runs in the save call, so it casts a block of rows at a time into a reused buffer (a
+strided weight is packed into a second one) and compares bits as 64-bit words: fresh memory and
+float comparisons cost several times more.
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from dataclasses import asdict
 
 from . import format_v1, format_v2
 from .errors import MetadataError
-from .format import (CAST_DTYPES, FORMAT_NAME, FORMAT_VERSION, Metadata, ObjectMeta, check_in_file, item_fields, need, require_dict,
-                     require_int)
+from .format import (CAST_DTYPES, FORMAT_NAME, FORMAT_VERSION, Metadata, ObjectMeta, check_in_file, item_fields, need,
+                     require_dict, require_int)
 from .gcpause import gc_paused
 
 

@@ -181,13 +181,11 @@ def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
     ranges, each piece assigned to the least-loaded rank holding it (biggest first); then all are
     placed in files. `casts`: every rank found its weights equal to its fp32 masters' cast
     (`casts.masters_cast_exactly`), so the weights whose masters cover them are not written
-    (`weight_casts`).
+    (`drop_cast_weights`).
     """
     metas: Dict[str, TensorMeta] = {}
     boxes = _distinct_boxes(tensors, digests, metas)
-    derived = weight_casts(metas, boxes) if casts else {}
-    for box in [b for b in boxes if b[0] in derived] if derived else ():
-        del boxes[box]
+    derived = drop_cast_weights(metas, boxes) if casts else {}
     assigned, load = [_RankWrites() for _ in tensors], LeastLoaded(len(tensors))
     _assign(_pieces(boxes, assigned, load), boxes, assigned, load)
     plan = _place(assigned, load, metas, files_per_rank, aliases)
@@ -195,20 +193,28 @@ def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
     return plan
 
 
-def weight_casts(metas: Dict[str, TensorMeta], boxes: Dict[Tuple[str, Box], "_Box"]) -> Dict[str, str]:
-    """The 16-bit weights (`model/<name>`) stored as their fp32 master (`master_key(name)`) of the
-    same shape, whose distinct boxes cover it exactly; weight key -> master key."""
+def drop_cast_weights(metas: Dict[str, TensorMeta], boxes: Dict[Tuple[str, Box], "_Box"]) -> Dict[str, str]:
+    """Drop from `boxes` the 16-bit weights (`model/<name>`) stored as their fp32 master
+    (`master_key(name)`) of the same shape, whose distinct boxes cover it exactly; returns them,
+    weight key -> master key. One pass over the boxes: there are millions at scale."""
     pairs = {}
     for key, meta in metas.items():
         if key.startswith(MODEL + "/") and meta.dtype in CAST_DTYPES:
-            master = metas.get(master_key(key[len(MODEL) + 1:]))
+            source = master_key(key[len(MODEL) + 1:])
+            master = metas.get(source)
             if master is not None and master.dtype == "float32" and master.shape == meta.shape:
-                pairs[key] = master_key(key[len(MODEL) + 1:])
-    covered = dict.fromkeys(pairs.values(), 0)
-    for key, (_, lengths) in boxes if pairs else ():
-        if key in covered:
-            covered[key] += math.prod(lengths)
-    return {k: m for k, m in pairs.items() if covered[m] == math.prod(metas[m].shape)}
+                pairs[key] = source
+    covered, weight_boxes = dict.fromkeys(pairs.values(), 0), []
+    for box in boxes if pairs else ():
+        if box[0] in covered:
+            covered[box[0]] += math.prod(box[1][1])
+        elif box[0] in pairs:
+            weight_boxes.append(box)
+    derived = {k: m for k, m in pairs.items() if covered[m] == math.prod(metas[m].shape)}
+    for box in weight_boxes:
+        if box[0] in derived:
+            del boxes[box]
+    return derived
 
 
 def _distinct_boxes(tensors: Sequence[Sequence[TensorSpec]], digests: Optional[Sequence],

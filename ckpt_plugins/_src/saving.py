@@ -301,7 +301,8 @@ class Save:
                 files.update(report.sizes)
             metadata = Metadata(tensors=plan.metadata.tensors, objects=dict(sorted(objects.items())),
                                 files=dict(sorted(files.items())), aliases=plan.metadata.aliases,
-                                casts=plan.metadata.casts, world_size=plan.metadata.world_size, chunk_bytes=plan.metadata.chunk_bytes,
+                                casts=plan.metadata.casts, world_size=plan.metadata.world_size,
+                                chunk_bytes=plan.metadata.chunk_bytes,
                                 **self.options.recorded)
             with self.recorder.phase("metadata_write"):
                 self.commit.commit(metadata)

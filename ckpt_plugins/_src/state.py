@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .errors import LoadMismatchError
-from .format import MASTER, MODEL, OPTIM, Metadata, master_key
+from .format import MASTER, MODEL, Metadata, master_key
 from .fragment import FlatPiece, Fragment
 from .hostmem import fresh_empty
 from .tensor_map import IDENTITY, TensorMap, is_dtensor, model_mapping, tensor_fragments
@@ -241,7 +241,7 @@ def _self_loading(root: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 def _stored_source(metadata: Metadata, key: str) -> Optional[str]:
     """The stored key that holds `key` (itself, its alias' target, or its fp32 master)."""
-    for k in (key, f"{OPTIM}/{key[len(MODEL) + 1:]}/{MASTER}" if key.startswith(MODEL + "/") else None):
+    for k in (key, master_key(key[len(MODEL) + 1:]) if key.startswith(MODEL + "/") else None):
         k = metadata.aliases.get(k, k) if k else None
         if k in metadata.tensors:
             return k
