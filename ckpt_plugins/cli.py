@@ -22,9 +22,10 @@ def _summary(metadata: Metadata) -> dict:
     for key, meta in metadata.tensors.items():
         tensors[key] = {
             "shape": list(meta.shape), "dtype": meta.dtype,
-            "bytes": sum(b.nbytes for b in meta.boxes),
+            "bytes": sum(b.nbytes for b in meta.boxes), "stored_bytes": sum(b.stored_nbytes for b in meta.boxes),
             "boxes": [{"offsets": list(b.offsets), "lengths": list(b.lengths), "file": b.file,
-                       "offset": b.offset, "nbytes": b.nbytes} for b in meta.boxes],
+                       "offset": b.offset, "nbytes": b.nbytes, "stored_bytes": b.stored_nbytes,
+                       "compressed": bool(b.group)} for b in meta.boxes],
         }
     return {
         "status": "committed", "format": getattr(metadata, "source", "") or "ckpt_plugins", "version": metadata.version, "framework": metadata.framework,
@@ -49,12 +50,17 @@ def cmd_inspect(args) -> int:
     fmt = f"format v{info['version']}" if info["format"] == "ckpt_plugins" else f"{info['format']}, read in place"
     print(f"checkpoint {args.path}: {fmt}, from {info['framework']} "
           f"(world size {info['world_size']}, layout {json.dumps(info['layout'])}), step {info['step']}")
+    loaded = sum(t["bytes"] for t in info["tensors"].values())
+    stored = sum(t["stored_bytes"] for t in info["tensors"].values())
     print(f"{len(info['tensors'])} tensors, {len(info['objects'])} objects, "
-          f"{info['total_bytes'] / 1e6:.2f} MB in {len(info['files'])} files")
+          f"{info['total_bytes'] / 1e6:.2f} MB in {len(info['files'])} files"
+          + (f"; tensors compressed {loaded / 1e6:.2f} -> {stored / 1e6:.2f} MB ({loaded / stored:.2f}x)"
+             if stored < loaded else ""))
     width = max([len(k) for k in info["tensors"]] + [3])
     for key, t in info["tensors"].items():
         stored = (f"cast of {info['casts'][key]}" if key in info["casts"]
-                  else f"{len(t['boxes']):>3} box(es) {t['bytes']:>12,} B")
+                  else f"{len(t['boxes']):>3} box(es) {t['bytes']:>12,} B"
+                  + (f" stored in {t['stored_bytes']:,} B" if t["stored_bytes"] < t["bytes"] else ""))
         print(f"  {key:<{width}}  {str(tuple(t['shape'])):<20} {t['dtype']:<9} {stored}")
         if args.boxes:
             for b in t["boxes"]:
@@ -88,8 +94,7 @@ def cmd_verify(args) -> int:
         for start in range(0, max(item.nbytes, 1), step):
             end = min(start + step, item.nbytes)
             try:
-                read_checked(storage, key, item.file, item.offset, item.nbytes, start, end, item.crc32c,
-                             metadata.chunk_bytes)
+                read_checked(storage, key, item, start, end, metadata.chunk_bytes)
             except CheckpointError as exc:
                 failures.append(str(exc))
                 break

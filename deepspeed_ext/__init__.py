@@ -1,7 +1,7 @@
 """deepspeed_ext: DeepSpeed ZeRO 0-3 through ckpt_plugins, switched on by a config entry.
 
     "checkpoint": {"backend": "bytecheckpoint", "async": false, "overlap": false, "warm_up": true,
-                   "verify": false, "host_memory": null}
+                   "verify": false, "host_memory": null, "compress": false}
 
 in the DeepSpeed config, then either `engine, optimizer, _, scheduler = deepspeed_ext.initialize(...)`
 (same arguments as `deepspeed.initialize`) or `deepspeed_ext.install()` once, which makes every
@@ -13,7 +13,8 @@ first optimizer step, plan the first save and fault its staging memory in beside
 that save is as fast as any later one. `verify`: `load_checkpoint` then proves the live model and
 optimizer hold what was loaded (`ckpt_plugins.load(verify=True)`). `host_memory` (bytes, or a size
 such as "8GiB"): the most host memory a rank stages saves in; a bigger save streams through it
-(`Checkpointer(host_memory=...)`).
+(`Checkpointer(host_memory=...)`). `compress`: store each tensor losslessly compressed where that
+pays (`Checkpointer(compress=True)`; needs zstandard).
 """
 from __future__ import annotations
 

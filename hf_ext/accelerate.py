@@ -217,15 +217,19 @@ def _handled_models(accelerator, hooks, path: str, load: bool = False) -> List:
     return [accelerator._models[i] for i, w in enumerate(given) if any(w is kept for kept in weights)]
 
 
-def enable(accelerator, *, async_save: bool = False, verify: bool = False, host_memory: Union[int, str, None] = None):
+def enable(accelerator, *, async_save: bool = False, verify: bool = False, host_memory: Union[int, str, None] = None,
+           compress: Optional[bool] = None):
     """Make `accelerator.save_state`/`load_state` save and load through ckpt_plugins, keeping
     accelerate's folders, hooks and counters (see the module docstring). Returns the accelerator.
     `verify`: every `load_state` then proves the live state holds what was loaded. `host_memory`
     (bytes, or a size such as "8GiB"): the most host memory a rank stages saves in; a bigger save
-    streams through it."""
+    streams through it. `compress`: tensors stored losslessly compressed where that pays (needs
+    zstandard); None leaves the checkpointer's setting."""
     require_version("accelerate", "accelerate", ACCELERATE, "hf_ext.accelerate")
     if host_memory is not None:
         cp.checkpointer().host_memory = host_memory
+    if compress is not None:
+        cp.checkpointer().compress = compress
     from accelerate.utils import DistributedType
 
     native_save, native_load = accelerator.save_state, accelerator.load_state

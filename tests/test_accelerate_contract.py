@@ -110,18 +110,19 @@ def test_a_save_without_hooks_gathers_no_state_dict(tmp_path, monkeypatch):
     assert os.path.exists(tmp_path / "ckpt" / "metadata.json")
 
 
-def test_a_host_memory_budget_given_to_enable_streams_save_state_through_it(tmp_path):
+def test_a_host_memory_budget_given_to_enable_streams_save_state_through_it_compressed(tmp_path):
     from accelerate import Accelerator
 
     import ckpt_plugins as cp
     import hf_ext.accelerate
     accelerator = Accelerator(cpu=True)
     model = accelerator.prepare(tiny_llama(0))
-    hf_ext.accelerate.enable(accelerator, host_memory="64KiB")
+    hf_ext.accelerate.enable(accelerator, host_memory="64KiB", compress=True)
     try:
         accelerator.save_state(str(tmp_path / "ckpt"))
         info = cp.checkpointer()._last.wait()
         assert info.rank_bytes > 64 << 10 >= cp.checkpointer().pool.allocated_bytes > 0  # streamed
+        assert any(b.group for t in cp.read_metadata(tmp_path / "ckpt").tensors.values() for b in t.boxes)
         saved = {k: v.clone() for k, v in model.state_dict().items()}
         with torch.no_grad():
             for p in model.parameters():
@@ -130,3 +131,4 @@ def test_a_host_memory_budget_given_to_enable_streams_save_state_through_it(tmp_
         assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     finally:
         cp.checkpointer().host_memory = None  # the process's default checkpointer, shared by later tests
+        cp.checkpointer().compress = False

@@ -101,13 +101,18 @@ def test_a_load_waits_for_an_overlapped_snapshot_of_the_state_it_fills(tmp_path,
     assert_loads_as(tmp_path / "o", before)
 
 
-@pytest.mark.parametrize("threads, room", [(1, None), (3, None), (1, 16 << 10), (3, 16 << 10)])
-def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, room, monkeypatch):
+@pytest.mark.parametrize("threads, room, compress", [(1, None, False), (3, None, False), (1, 16 << 10, False),
+                                                    (3, 16 << 10, False), (3, None, True), (3, 16 << 10, True)])
+def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, room, compress, monkeypatch):
     """Host tensors go as memmove pieces on several threads, the rest on the caller's thread; the
     files hold each item's bytes at its offset whatever order the pieces finish in. `room`: a
     buffer smaller than the job, streamed through window by window: strided tensors, objects and
-    host tensors are copied in parts."""
+    host tensors are copied in parts. `compress`: the writers compress each tensor's chunks (of
+    1 KiB here: whole ones from a piece, others gathered across pieces and windows) where the first
+    pays, and each item reads back from where they say it went."""
     from ckpt_plugins._src.engine import write as engine
+    from ckpt_plugins._src.engine.read import read_checked
+    from ckpt_plugins._src.format import StoredItem
     from ckpt_plugins._src.staging import StagingPool
     monkeypatch.setattr(engine, "COPY_PIECE", 4096)  # many pieces per tensor, finishing out of order
     run = engine._Piece.run
@@ -118,6 +123,8 @@ def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, room, m
                torch.randn(3000, generator=g).to(torch.bfloat16),
                torch.randn(8, 8, generator=g)[2:5],                 # a contiguous view with an offset
                torch.empty(0),
+               torch.arange(3000, dtype=torch.int16),                 # compresses well
+               torch.randint(0, 256, (3000,), dtype=torch.uint8, generator=g),  # not at all
                b"encoded object bytes"]
     items, offsets = [], {"d/r0-0.bin": 0, "d/r0-1.bin": 0}
     for i, src in enumerate(sources):
@@ -125,16 +132,23 @@ def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, room, m
         items.append(engine.StageItem(name, offsets[name], src))
         offsets[name] += items[-1].nbytes + 64  # a gap, as alignment leaves
     storage = LocalStorage(str(tmp_path))
-    job = engine.StagedWrite(storage, items)
+    job = engine.StagedWrite(storage, items, compress=compress)
+    job.chunk = 1024
     buffer = StagingPool().acquire(job.nbytes).buffer if room is None else torch.zeros(room, dtype=torch.uint8)
-    writer = threading.Thread(target=job.write)
+    results = []
+    writer = threading.Thread(target=lambda: results.append(job.write()))
     writer.start()  # the writers follow the snapshot's progress
     job.snapshot(buffer, threads=threads)
     writer.join()
-    for item, src in zip(items, sources):
-        data = (tmp_path / item.file).read_bytes()[item.offset:item.offset + item.nbytes]
+    result, = results
+    for item, src, out in zip(items, sources, result.items):
+        stored = StoredItem(item.file, out.offset, item.nbytes, out.crc32c, out.group, out.packed)
+        data = bytes(read_checked(storage, "item", stored, 0, item.nbytes, 1024))
         expected = src if isinstance(src, bytes) else src.contiguous().view(torch.uint8).numpy().tobytes()
         assert data == expected
+        if not isinstance(src, torch.Tensor) or src.dtype in (torch.int16, torch.uint8) or not item.nbytes:
+            assert (out.group > 0) == (compress and isinstance(src, torch.Tensor) and src.dtype == torch.int16), item
+    assert result.sizes == {name: os.path.getsize(tmp_path / name) for name in result.sizes}
 
 
 def test_saves_commit_in_order_and_staging_is_reused(tmp_path):

@@ -32,7 +32,7 @@ def test_inspect_text_and_json(tmp_path):
     info = json.loads(bcp("inspect", tmp_path / "c", "--json").stdout)
     assert info["status"] == "committed" and info["step"] == 11 and info["layout"] == {"dp": 1}
     assert info["tensors"]["model/1.bias"] == {
-        "shape": [2], "dtype": "float32", "bytes": 8,
+        "shape": [2], "dtype": "float32", "bytes": 8, "stored_bytes": 8,
         "boxes": [{**{k: v for k, v in info["tensors"]["model/1.bias"]["boxes"][0].items()},
                    "offsets": [0], "lengths": [2], "nbytes": 8}]}
     assert info["total_bytes"] == sum(os.path.getsize(tmp_path / "c" / f) for f in info["files"])

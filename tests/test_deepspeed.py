@@ -133,13 +133,14 @@ def overlapped_saves_hold_the_step(rank, world, root):
     """"overlap": save_checkpoint returns before the snapshot, which here starts only once the
     optimizer's step has been called; the forward and backward passes between (ZeRO-3 gathering
     its parameters, a gradient accumulation micro-step) run beside it; the step waits for it.
-    With a "host_memory" budget below the save, which then streams through it."""
+    With a "host_memory" budget below the save, which then streams through it, compressed ("compress")."""
     import threading
 
     from ckpt_plugins._src.engine.write import StagedWrite
     from hf_models import batch
     accumulate = {"train_micro_batch_size_per_gpu": ds_util.GLOBAL_ROWS // world, "gradient_accumulation_steps": 2,
-                  "checkpoint": {"backend": "bytecheckpoint", "overlap": True, "host_memory": "64KiB"}}
+                  "checkpoint": {"backend": "bytecheckpoint", "overlap": True, "host_memory": "64KiB",
+                                 "compress": True}}
     eng = ds_util.engine(3, True, extra=accumulate)
     for micro in range(2):
         ds_util.step(eng, micro)
@@ -161,6 +162,7 @@ def overlapped_saves_hold_the_step(rank, world, root):
     info = handle.wait()
     # bigger than the budget: streamed through it, the snapshot waiting for the writes
     assert info.rank_bytes > 64 << 10 >= cp.checkpointer().pool.allocated_bytes > 0
+    assert any(b.group for t in cp.read_metadata(handle.path).tensors.values() for b in t.boxes)
     after = ds_util.full_state(eng)
     assert not all(torch.equal(v, after[k]) for k, v in ref.items() if k.startswith("w/"))  # training went on
     fresh = ds_util.engine(3, True, seed=1, extra=accumulate)

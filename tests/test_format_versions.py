@@ -1,6 +1,6 @@
 """Every format version ever written keeps loading: checkpoints written by earlier releases are
 shipped in tests/fixtures/format_v<N>/ and load bit for bit into today's code, resharded (two
-ranks' rows into one process), and pass `bcp verify`.
+ranks' rows into one process), and pass `bcp verify`. Version 4's holds compressed boxes.
 
 A fixture is written once, by the release that introduced its version, and never rewritten:
 `python tests/test_format_versions.py tests/fixtures/format_v<N>` (2 ranks)."""
@@ -18,7 +18,7 @@ from ckpt_plugins.cli import main as bcp
 from ckpt_plugins.ext import MODEL, LoadItems, SaveItems, box_fragment, master_key
 
 FIXTURES = Path(__file__).parent / "fixtures"
-VERSIONS = [1, 2, 3]
+VERSIONS = [1, 2, 3, 4]
 # denormal, NaN payloads (quiet, signalling), -0.0: values torch.equal cannot tell apart or calls unequal
 SPECIALS = torch.tensor([1, 0x7FC00001, 0x7F800001, -(1 << 31)], dtype=torch.int32).view(torch.float32)
 
@@ -29,7 +29,10 @@ def values() -> dict:
     return {"rows": torch.randn(6, 5, generator=g), "bf16": torch.randn(3, 4, generator=g).to(torch.bfloat16),
             "ints": torch.arange(-5, 7, dtype=torch.int64), "specials": SPECIALS.clone(),
             "weight": torch.randn(2, 3, generator=g), "exp_avg": torch.randn(2, 3, generator=g),
-            "exp_avg_sq": torch.rand(2, 3, generator=g), "master": torch.randn(4, 2, generator=g)}
+            "exp_avg_sq": torch.rand(2, 3, generator=g), "master": torch.randn(4, 2, generator=g),
+            # from version 4 on, stored compressed: two chunks of int64, and bf16 of few values
+            "long": torch.arange(-70_000, 70_000, dtype=torch.int64),
+            "smooth": (torch.arange(4096) % 17 - 8).to(torch.bfloat16).view(64, 64)}
 
 
 class Mixed(cp.Handler):
@@ -79,8 +82,9 @@ def write_fixture(rank, world, path):
     model, opt = model_and_optimizer(v)
     cp.save(path, {"model": model, "optim": opt, "rows": Rows(v["rows"][3 * rank:3 * rank + 3], rank),
                    "bf16": v["bf16"], "ints": v["ints"], "specials": v["specials"],
-                   "extra": {"epoch": 3, "note": "format fixture"}, "mixed": Mixed(v["master"], rank)},
-            framework="torch", layout={"dp": world}, step=7)
+                   "extra": {"epoch": 3, "note": "format fixture"}, "mixed": Mixed(v["master"], rank),
+                   "long": v["long"], "smooth": v["smooth"]},
+            framework="torch", layout={"dp": world}, step=7, compress=True)
 
 
 def test_every_format_version_ever_written_loads_bit_for_bit(tmp_path, capsys):
@@ -96,6 +100,9 @@ def test_every_format_version_ever_written_loads_bit_for_bit(tmp_path, capsys):
         if version >= 3:
             got["mixed"] = Mixed(torch.zeros(4, 2), 0)
             got["mixed"].weight.zero_()
+        if version >= 4:
+            got["long"], got["smooth"] = torch.zeros_like(v["long"]), torch.zeros_like(v["smooth"])
+            assert [len(meta.tensors[k].boxes[0].packed) for k in ("long", "smooth")] == [2, 1]
         cp.load(str(path), got)
         for key in ("rows", "bf16", "ints"):
             assert torch.equal(got[key], v[key]), (version, key)
@@ -105,6 +112,8 @@ def test_every_format_version_ever_written_loads_bit_for_bit(tmp_path, capsys):
         assert state["step"].item() == 3.0
         assert torch.equal(state["exp_avg"], v["exp_avg"]) and torch.equal(state["exp_avg_sq"], v["exp_avg_sq"])
         assert got["extra"] == {"epoch": 3, "note": "format fixture"}
+        if version >= 4:
+            assert torch.equal(got["long"], v["long"]) and torch.equal(got["smooth"], v["smooth"])
         if version >= 3:  # the weight: the master's rows of both ranks, cast
             assert meta.casts == {f"{MODEL}/mixed": master_key("mixed")}
             assert torch.equal(got["mixed"].weight, v["master"].to(torch.bfloat16))

@@ -1,6 +1,6 @@
 """Fuzzing the metadata parser and the loader (hypothesis): random bytes, random JSON, mutated valid
 metadata (format version 1 and today's, and single elements of the columns version 2 introduced),
-mutated data files. Only the project's own exceptions come out, and the loader never opens a file
+mutated data files, forged extents and corrupt chunks of compressed ones. Only the project's own exceptions come out, and the loader never opens a file
 outside the checkpoint. Plus planted attacks: pickles that would run code, paths that leave."""
 import base64
 import dataclasses
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ckpt_plugins as cp
-from ckpt_plugins._src.format_v2 import BOX_COLUMNS, TENSOR_COLUMNS
+from ckpt_plugins._src.format_v2 import BOX_COLUMNS, PACKED_COLUMNS, TENSOR_COLUMNS
 from ckpt_plugins._src.metadata_codec import decode_metadata
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12),
@@ -235,6 +235,61 @@ def test_mutated_data_files_load_right_or_fail_as_corrupt(valid, tmp_path, data)
         blob += b"\0" * data.draw(st.integers(1, 100))
     target.write_bytes(bytes(blob))
     assert load_outcome(work) in ("ok", "CorruptCheckpointError")
+
+
+def compressible(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"ints": torch.arange(300_000, dtype=torch.int32) * seed,  # two chunks
+            "w": (torch.randn(300, 500, generator=g) * 0.02).to(torch.bfloat16)}
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory):
+    path = tmp_path_factory.mktemp("compressed") / "ckpt"
+    cp.save(path, compressible(1), compress=True)
+    assert all(b.group for t in cp.read_metadata(path).tensors.values() for b in t.boxes)
+    return path
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_forged_extents_and_corrupt_compressed_chunks_load_right_or_fail_with_our_errors(compressed, tmp_path, data):
+    """A compressed box's grouping or one chunk's stored length forged, or a byte of its frames
+    changed, dropped or added: decoding refuses it, or the load is right or `CorruptCheckpointError`."""
+    work = tmp_path / "z"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(compressed, work)
+    if data.draw(st.booleans()):
+        raw = json.loads((work / "metadata.json").read_text())
+        name = data.draw(st.sampled_from(sorted(PACKED_COLUMNS)))
+        dtype = PACKED_COLUMNS[name]
+        column = np.frombuffer(base64.b64decode(raw["boxes"][name]), dtype=dtype).copy()
+        value = data.draw(st.integers(int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)) | st.sampled_from([0, 1, 3]))
+        kind = data.draw(st.sampled_from(["set", "drop", "add"]))
+        if kind == "set":
+            column[data.draw(st.integers(0, len(column) - 1))] = value
+        else:
+            column = column[:-1] if kind == "drop" else np.append(column, np.array([value], dtype=dtype))
+        raw["boxes"][name] = base64.b64encode(column.tobytes()).decode()
+        (work / "metadata.json").write_text(json.dumps(raw))
+    else:
+        target = work / sorted(cp.read_metadata(work).files)[0]
+        blob = bytearray(target.read_bytes())
+        i = data.draw(st.integers(0, len(blob) - 1))
+        kind = data.draw(st.sampled_from(["flip", "drop", "add"]))
+        if kind == "flip":
+            blob[i] ^= data.draw(st.integers(1, 255))
+        else:
+            blob[i:i] = b"\x00" if kind == "add" else b""
+            del blob[i:i + (kind == "drop")]
+        target.write_bytes(bytes(blob))
+    got = {k: torch.zeros_like(v) for k, v in compressible().items()}
+    try:
+        cp.load(work, got)
+    except (cp.MetadataError, cp.CorruptCheckpointError):
+        return
+    for key, value in compressible(1).items():
+        assert torch.equal(got[key].view(torch.uint8), value.view(torch.uint8)), key
 
 
 def test_a_pickle_that_would_run_code_is_refused_and_never_runs(valid, tmp_path):

@@ -126,7 +126,7 @@ def overlapped_run(rank, world, out_dir, result_path):
     """overlap=True with gradient accumulation: the save at step 2 returns before its snapshot,
     which here starts only once the optimizer's next step is due; the two forward and backward
     passes of step 3 run beside it, and the step waits for it. With a host-memory budget below the
-    save, which then streams through it."""
+    save, which then streams through it, compressed."""
     import threading
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -153,11 +153,12 @@ def overlapped_run(rank, world, out_dir, result_path):
                              max_steps=3, save_strategy="steps", save_steps=2, learning_rate=1e-2, use_cpu=True,
                              report_to=[], seed=0, disable_tqdm=True)
     trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=Tokens(), callbacks=[Watch()])
-    hf_ext.trainer.enable(trainer, overlap=True, host_memory="64KiB")
+    hf_ext.trainer.enable(trainer, overlap=True, host_memory="64KiB", compress=True)
     trainer.train()
     StagedWrite.snapshot = native
     # bigger than the budget: streamed through it, the snapshot waiting for the writes
     assert seen["handle"].wait().rank_bytes > 64 << 10 >= cp.checkpointer().pool.allocated_bytes > 0
+    assert any(b.group for t in cp.read_metadata(seen["handle"].path).tensors.values() for b in t.boxes)
     torch.save({"saved": seen["saved"], "early": seen["snapshot taken before the save returned"],
                 "final": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}, result_path)
 

@@ -174,14 +174,14 @@ def overlapped_save_worker(rank, world, root):
     """--ckpt-overlap with the distributed optimizer's overlapped gradient reduce-scatter and
     parameter all-gather: the save returns before its snapshot, which here starts only once the
     next optimizer step has been called; that step waits for it, the forward and backward do not.
-    With --ckpt-host-memory below the save, which then streams through it."""
+    With --ckpt-host-memory below the save, which then streams through it, compressed (--ckpt-compress)."""
     import threading
 
     import megatron_util as mu
     import megatron_ext.training as bcp
     from ckpt_plugins._src.engine.write import StagedWrite
     megatron_args(1, 1, root, "--ckpt-backend", "bytecheckpoint", "--ckpt-overlap", "--overlap-grad-reduce",
-                  "--overlap-param-gather", "--ckpt-host-memory", "64KiB")  # (installs the CPU shim first)
+                  "--overlap-param-gather", "--ckpt-host-memory", "64KiB", "--ckpt-compress")  # (installs the CPU shim first)
     from megatron.training import checkpointing, training
     bcp.install()
     mu.init_parallel(1, 1)
@@ -214,6 +214,7 @@ def overlapped_save_worker(rank, world, root):
     info = handle.wait()
     # bigger than the budget: streamed through it, the snapshot waiting for the writes
     assert info.rank_bytes > 64 << 10 >= cp.checkpointer().pool.allocated_bytes > 0
+    assert any(b.group for t in cp.read_metadata(handle.path).tensors.values() for b in t.boxes)
     mu.megatron_train_step(model, opt, sched, 3)  # the next forward finishes the parameter all-gather
     assert not torch.equal(saved[0], next(model.parameters()))  # training went on
 

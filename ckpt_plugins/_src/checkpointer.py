@@ -39,12 +39,15 @@ class Checkpointer:
     "8GiB"; None: as much as a save needs, twice over so that one save can snapshot while the
     previous one writes). A save bigger than it streams through it: snapshot a part, write it,
     reuse the memory; the snapshot then also waits for the writes of what did not fit.
+    `compress`: saves store each tensor compressed where that pays, unless a save says otherwise
+    (`save(..., compress=False)`; the framework hooks' switches set it).
     """
 
     def __init__(self, process_group=None, *, threads: int = 2, read_threads: int = 4,
                  host_memory: Union[int, str, None] = None, direct_io: bool = True, shared_memory: bool = True,
-                 timeout: timedelta = timedelta(minutes=10), telemetry: bool = True):
+                 timeout: timedelta = timedelta(minutes=10), telemetry: bool = True, compress: bool = False):
         self.process_group = process_group
+        self.compress = compress
         self.shared_memory = shared_memory
         self.threads = threads
         self.read_threads = read_threads
@@ -105,7 +108,7 @@ class Checkpointer:
 
     def save(self, path, state: Dict[str, Any], *, hooks: SaveHooks = NO_HOOKS, **options) -> SaveInfo:
         """Save `state` to `path`; returns once committed. `options`: the fields of `SaveOptions`
-        (framework, layout, step, overwrite, base); `hooks`: steps around the commit (`SaveHooks`).
+        (framework, layout, step, overwrite, base, compress); `hooks`: steps around the commit (`SaveHooks`).
         Writing starts while the later tensors are still being copied."""
         save = self._start(path, state, "sync", options, hooks)
         self._executor.submit(save.write_and_commit, self._bg)
@@ -138,8 +141,8 @@ class Checkpointer:
         storage = storage_for(path, direct_io=self.direct_io)
         self._after_last(storage)
         t0 = time.time()
-        save = Save(storage, state, coord, self.pool, self.cache, SaveOptions(**options), hooks, mode=mode,
-                    telemetry=self.telemetry)
+        options = SaveOptions(**{"compress": self.compress, **options})
+        save = Save(storage, state, coord, self.pool, self.cache, options, hooks, mode=mode, telemetry=self.telemetry)
         save.recorder.record.start = t0
         save.prepare(copy_early=mode == "async")
         self._last = save.handle

@@ -102,8 +102,7 @@ def read_object(storage: Storage, metadata: Metadata, key: str, rank: Optional[i
     entry = next(o for o in metadata.objects[key] if o.rank == rank)
     if isinstance(entry, ComputedObject):
         return entry.compute(storage)
-    data = read_checked(storage, key, entry.file, entry.offset, entry.nbytes, 0, entry.nbytes,
-                        entry.crc32c, metadata.chunk_bytes)
+    data = read_checked(storage, key, entry, 0, entry.nbytes, metadata.chunk_bytes)
     return decode_object(key, entry.encoding, bytes(data))
 
 

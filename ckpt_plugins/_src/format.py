@@ -20,8 +20,8 @@ from .errors import MetadataError, UnsafePathError
 
 FORMAT_NAME = "ckpt_plugins"
 # 1: tables as JSON objects (still read); 2: as columns (format_v2); 3: weights stored as their
-# fp32 masters' cast (`Metadata.casts`)
-FORMAT_VERSION = 3
+# fp32 masters' cast (`Metadata.casts`); 4: boxes stored compressed, chunk by chunk (`codec`)
+FORMAT_VERSION = 4
 METADATA_FILE = "metadata.json"
 DATA_DIR = "data"
 # Checksums cover fixed-size chunks of each stored item, so a partial (byte-range) read still
@@ -64,6 +64,10 @@ def dtype_from_name(name: str) -> torch.dtype:
         return _DTYPES[name]
     except (KeyError, TypeError):
         raise MetadataError(f"unknown dtype {name!r} in metadata") from None
+
+
+def crc32c_of(data) -> int:
+    return _crc32c.crc32c(data)
 
 
 def chunk_checksums(data, chunk: int = CHUNK_BYTES) -> List[int]:
@@ -116,11 +120,21 @@ def check_relative_path(path: str) -> str:
 
 @dataclass
 class StoredItem:
-    """Where one stored box (or object) lives: file, byte range, and chunk checksums."""
+    """Where one stored box (or object) lives: file, byte range, and chunk checksums (of the bytes
+    as loaded). A compressed box (`group` > 0) holds its chunks one after the other from `offset`
+    on, each `packed[k]` bytes: its bytes grouped by position in elements of `group` bytes, as one
+    zstd frame, or the chunk as it is where `packed[k]` is the chunk's own length (`codec`)."""
     file: str
     offset: int
     nbytes: int
     crc32c: List[int]
+    group: int = 0
+    packed: List[int] = field(default_factory=list)
+
+    @property
+    def stored_nbytes(self) -> int:
+        """The bytes it takes in its file."""
+        return sum(self.packed) if self.group else self.nbytes
 
 
 @dataclass
@@ -205,4 +219,4 @@ def item_fields(raw: dict, what: str, chunk_bytes: int) -> dict:
 def check_in_file(key: str, item: StoredItem, files: Dict[str, int]) -> None:
     """`item` lies in a file of the file table, inside its expected size."""
     need(item.file in files, f"{key} is stored in {item.file}, which the file table lacks")
-    need(item.offset + item.nbytes <= files[item.file], f"{key} extends past the end of {item.file}")
+    need(item.offset + item.stored_nbytes <= files[item.file], f"{key} extends past the end of {item.file}")

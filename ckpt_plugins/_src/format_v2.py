@@ -23,6 +23,10 @@ from .format import StoredBox, TensorMeta, check_relative_path, dtype_from_name,
 TENSOR_COLUMNS = {"dtype": "<u1", "ndim": "<u1", "shape": "<i8", "boxes": "<i8"}
 BOX_COLUMNS = {"file": "<u4", "offset": "<i8", "nbytes": "<i8", "offsets": "<i8", "lengths": "<i8",
                "crc32c": "<u4"}
+# version 4's compressed boxes: each box's grouping (0: stored plainly), each of a compressed box's
+# chunks' stored bytes
+PACKED_COLUMNS = {"group": "<u1", "packed": "<u4"}
+GROUPS = (1, 2, 4, 8, 16)
 _MAX_ELEMENTS = 1 << 53  # a tensor's elements: float64 products of its dims stay exact below this
 
 
@@ -31,7 +35,7 @@ def encode_tables(tensors: Dict[str, TensorMeta], files: Dict[str, int]) -> dict
     file_index = {name: i for i, name in enumerate(files)}
     dtypes: Dict[str, int] = {}
     t: Dict[str, list] = {c: [] for c in TENSOR_COLUMNS}
-    b: Dict[str, list] = {c: [] for c in BOX_COLUMNS}
+    b: Dict[str, list] = {c: [] for c in {**BOX_COLUMNS, **PACKED_COLUMNS}}
     for meta in tensors.values():
         t["dtype"].append(dtypes.setdefault(meta.dtype, len(dtypes)))
         t["ndim"].append(len(meta.shape))
@@ -44,16 +48,19 @@ def encode_tables(tensors: Dict[str, TensorMeta], files: Dict[str, int]) -> dict
             b["offsets"].extend(box.offsets)
             b["lengths"].extend(box.lengths)
             b["crc32c"].extend(box.crc32c)
+            b["group"].append(box.group)
+            b["packed"].extend(box.packed)
     return {"files": [[name, size] for name, size in files.items()], "dtypes": list(dtypes),
-            "keys": list(tensors), "tensors": _encoded(t, TENSOR_COLUMNS), "boxes": _encoded(b, BOX_COLUMNS)}
+            "keys": list(tensors), "tensors": _encoded(t, TENSOR_COLUMNS),
+            "boxes": _encoded(b, {**BOX_COLUMNS, **PACKED_COLUMNS})}
 
 
 def _encoded(values: Dict[str, list], types: Dict[str, str]) -> Dict[str, str]:
     return {c: base64.b64encode(np.asarray(values[c], dtype=types[c]).tobytes()).decode() for c in types}
 
 
-def decode_tables(raw: dict, chunk_bytes: int) -> Tuple["TensorTable", Dict[str, int]]:
-    """The tensor table and the file table of a version-2 body, every field checked."""
+def decode_tables(raw: dict, chunk_bytes: int, version: int) -> Tuple["TensorTable", Dict[str, int]]:
+    """The tensor table and the file table of a version-2 (or later) body, every field checked."""
     entries = raw.get("files")
     need(isinstance(entries, list) and all(isinstance(e, list) and len(e) == 2 for e in entries),
          "files must be a list of [path, size] pairs")
@@ -65,7 +72,9 @@ def decode_tables(raw: dict, chunk_bytes: int) -> Tuple["TensorTable", Dict[str,
     keys = raw.get("keys")
     need(isinstance(keys, list) and set(map(type, keys)) <= {str}, "keys must be a list of strings")
     t = _decoded(raw.get("tensors"), TENSOR_COLUMNS, "tensors")
-    b = _decoded(raw.get("boxes"), BOX_COLUMNS, "boxes")
+    b = _decoded(raw.get("boxes"), {**BOX_COLUMNS, **(PACKED_COLUMNS if version >= 4 else {})}, "boxes")
+    if version < 4:  # every box stored plainly
+        b["group"], b["packed"] = np.zeros(len(b["file"]), dtype=np.int64), np.zeros(0, dtype=np.int64)
     rows = _Rows(t, b, len(keys), len(dtypes), chunk_bytes)
     _check_boxes(rows, b, itemsizes, np.array(list(files.values()) + [0], dtype=np.int64), len(files))
     return TensorTable(keys, dtypes, list(files), rows), files
@@ -147,6 +156,12 @@ class _Rows:
         need(bool((chunks <= len(b["crc32c"])).all()), "boxes.crc32c must hold one checksum per chunk of each box")
         self.crc_start = _starts(chunks)
         need(len(b["crc32c"]) == self.crc_start[-1], "boxes.crc32c must hold one checksum per chunk of each box")
+        need(len(b["group"]) == nboxes, "boxes.group needs one entry per box")
+        need(bool(np.isin(b["group"], (0,) + GROUPS).all()), f"boxes.group must be 0 or one of {GROUPS}")
+        self.packed_start = _starts(np.where(b["group"] > 0, chunks, 0))
+        need(len(b["packed"]) == self.packed_start[-1],
+             "boxes.packed must hold one length per chunk of each compressed box")
+        self.chunk_bytes = chunk_bytes
 
 
 def _starts(counts: np.ndarray) -> np.ndarray:
@@ -181,9 +196,23 @@ def _check_boxes(rows: _Rows, b: Dict[str, np.ndarray], itemsizes: np.ndarray, s
     need(bool((b["nbytes"] == elements * itemsizes[t["dtype"][rows.tensor_of_box]]).all()),
          "a box's nbytes disagrees with its box")
     need(bool((b["file"] < nfiles).all()), "a box names a file the file table lacks")
+    need(bool((b["nbytes"] % np.maximum(b["group"], 1) == 0).all()), "a compressed box's group does not divide it")
+    stored = np.where(b["group"] > 0, _packed_sums(rows, b), b["nbytes"])
     size = sizes[np.minimum(b["file"], nfiles)]
-    need(bool(((b["offset"] >= 0) & (b["offset"] <= size) & (b["nbytes"] <= size - b["offset"])).all()),
+    need(bool(((b["offset"] >= 0) & (b["offset"] <= size) & (stored <= size - b["offset"])).all()),
          "a box extends past the end of its file")
+
+
+def _packed_sums(rows: _Rows, b: Dict[str, np.ndarray]) -> np.ndarray:
+    """Each compressed box's stored bytes, every chunk's length checked: from 1 byte up to the
+    chunk's own length (stored as it is)."""
+    packed, starts = b["packed"], rows.packed_start
+    box = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+    raw = np.minimum(rows.chunk_bytes, b["nbytes"][box] - (np.arange(len(packed)) - starts[box]) * rows.chunk_bytes)
+    need(bool(((packed >= 1) & (packed <= raw)).all()), "a compressed chunk's stored length is out of range")
+    sums = np.zeros(len(starts) - 1, dtype=np.int64)
+    np.add.at(sums, box, packed)
+    return sums
 
 
 class TensorTable(Mapping):
@@ -200,7 +229,9 @@ class TensorTable(Mapping):
         self._tensor_rows = np.stack([t["dtype"], rows.shape_start[:-1], rows.shape_start[1:],
                                       rows.box_start[:-1], rows.box_start[1:]], axis=1)
         self._box_rows = np.stack([b["file"], b["offset"], b["nbytes"], rows.dim_start[:-1], rows.dim_start[1:],
-                                   rows.crc_start[:-1], rows.crc_start[1:]], axis=1)
+                                   rows.crc_start[:-1], rows.crc_start[1:], b["group"], rows.packed_start[:-1],
+                                   rows.packed_start[1:]], axis=1)
+        self._packed = b["packed"]
         self._dims = np.stack([b["offsets"], b["lengths"]], axis=1)
         self._built: Dict[str, TensorMeta] = {}
 
@@ -234,7 +265,8 @@ class TensorTable(Mapping):
         dims = self._dims[d:rows[-1][4]].tolist()
         crcs = self._crcs.values(c, rows[-1][6])
         boxes = [StoredBox(file=self._files[f], offset=offset, nbytes=nbytes, crc32c=crcs[c0 - c:c1 - c],
+                           group=group, packed=self._packed[p0:p1].tolist() if group else [],
                            offsets=tuple(x[0] for x in dims[d0 - d:d1 - d]),
                            lengths=tuple(x[1] for x in dims[d0 - d:d1 - d]))
-                 for f, offset, nbytes, d0, d1, c0, c1 in rows]
+                 for f, offset, nbytes, d0, d1, c0, c1, group, p0, p1 in rows]
         return TensorMeta(shape=shape, dtype=self._dtypes[dtype], boxes=boxes)

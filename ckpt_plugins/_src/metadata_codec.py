@@ -2,7 +2,8 @@
 
 The envelope (format marker, version, step, layout, objects, aliases) is the same JSON in every
 version; the tensor and file tables are version 1's JSON objects (`format_v1`) or version 2's
-columns (`format_v2`, also version 3's, which adds `casts`).
+columns (`format_v2`, also version 3's, which adds `casts`, and version 4's, which adds the
+compressed boxes' columns).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def encode_metadata(metadata: Metadata) -> bytes:
     body = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "chunk_bytes": metadata.chunk_bytes,
             "framework": metadata.framework, "layout": metadata.layout, "step": metadata.step,
             "world_size": metadata.world_size, **format_v2.encode_tables(metadata.tensors, metadata.files),
-            "objects": {k: [asdict(o) for o in objs] for k, objs in metadata.objects.items()},
+            "objects": {k: [_object_fields(o) for o in objs] for k, objs in metadata.objects.items()},
             "aliases": metadata.aliases, "casts": metadata.casts}
     return json.dumps(body, separators=(",", ":")).encode()
 
@@ -42,8 +43,10 @@ def decode_metadata(data: bytes) -> Metadata:
         raise MetadataError(f"checkpoint format version {version} is newer than this ckpt_plugins "
                             f"understands ({FORMAT_VERSION}); upgrade ckpt_plugins to load it")
     chunk_bytes = require_int(raw.get("chunk_bytes"), "chunk_bytes", 1)
-    tables = format_v1 if version == 1 else format_v2
-    tensors, files = tables.decode_tables(raw, chunk_bytes)
+    if version == 1:
+        tensors, files = format_v1.decode_tables(raw, chunk_bytes)
+    else:
+        tensors, files = format_v2.decode_tables(raw, chunk_bytes, version)
     objects = {}
     for k, v in require_dict(raw.get("objects"), "objects").items():
         need(isinstance(v, list), f"objects.{k} must be a list")
@@ -77,6 +80,13 @@ def _casts(raw, tensors) -> dict:
         need(source_dtype == "float32" and dtype in CAST_DTYPES and shape == source_shape,
              f"cast {key} ({dtype} {list(shape)}) is no cast of {source} ({source_dtype} {list(source_shape)})")
     return raw
+
+
+def _object_fields(meta: ObjectMeta) -> dict:
+    """An object's entry: objects are stored plainly (no `group` or `packed`)."""
+    fields = asdict(meta)
+    del fields["group"], fields["packed"]
+    return fields
 
 
 def _object(key: str, raw: dict, chunk_bytes: int) -> ObjectMeta:

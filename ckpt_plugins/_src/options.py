@@ -29,12 +29,15 @@ class SaveOptions:
     """`framework` and `layout`: where the state comes from (recorded, for tools and people).
     `step`: the training step it holds. `overwrite`: it may replace a committed checkpoint (which
     stays loadable until the new one commits). `base`: a committed checkpoint this state was built
-    on (a PEFT run's frozen base): frozen parameters it holds alike are left to it (`base_ref`)."""
+    on (a PEFT run's frozen base): frozen parameters it holds alike are left to it (`base_ref`).
+    `compress`: store each tensor compressed, chunk by chunk, where that pays (`codec`; the writers
+    compress, never the snapshot)."""
     framework: str = "torch"
     layout: Dict[str, Any] = field(default_factory=dict)
     step: Optional[int] = None
     overwrite: bool = False
     base: Any = None
+    compress: bool = False
 
     @property
     def recorded(self) -> Dict[str, Any]:

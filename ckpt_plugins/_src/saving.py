@@ -19,11 +19,12 @@ from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
+from . import codec
 from .base_ref import leave_to_base
 from .casts import masters_cast_exactly
 from .commit import Commit, generation_file
 from .coordinator import Coordinator
-from .engine.write import StagedWrite, StageItem
+from .engine.write import StagedWrite, StageItem, Written
 from .errors import CheckpointError, SaveError
 from .failure import RankFailure, collect, failure_error
 from .format import DATA_DIR, Metadata, ObjectMeta
@@ -52,7 +53,7 @@ class SavedObject(NamedTuple):
 class WriteReport:
     """What one rank tells the coordinator after writing its files."""
     failure: Optional[RankFailure]
-    checksums: List[List[int]] = field(default_factory=list)  # per tensor write item
+    written: List[Written] = field(default_factory=list)  # per tensor write item
     objects: Dict[str, ObjectMeta] = field(default_factory=dict)
     sizes: Dict[str, int] = field(default_factory=dict)
     telemetry: Optional[RankTelemetry] = None  # this rank's phases so far (rides on the commit's gather)
@@ -96,14 +97,15 @@ class Contents:
         return ([SavedObject(k, self.replicated[k], None) for k in replicated] +
                 [SavedObject(k, e, self.rank) for k, e in self.per_rank.items()])
 
-    def staged(self, storage: Optional[Storage], cached: CachedPlan) -> "Staged":
+    def staged(self, storage: Optional[Storage], cached: CachedPlan, compress: bool = False) -> "Staged":
         """What this rank writes, as views of the live fragments and the encoded objects."""
         frags, objects = self.fragments, self.objects(cached.objects)
         placed, _ = place([len(o.encoded.data) for o in objects], [f"{DATA_DIR}/r{self.rank}-objects.bin"])
         job = StagedWrite(storage,
                           [StageItem(w.file, w.offset, sub_view(frags[w.index].local, frags[w.index].offsets, w.box))
                            for w in cached.writes] +
-                          [StageItem(at.file, at.offset, o.encoded.data) for o, at in zip(objects, placed)])
+                          [StageItem(at.file, at.offset, o.encoded.data) for o, at in zip(objects, placed)],
+                          compress=compress)
         return Staged(job, objects, placed)
 
 
@@ -146,6 +148,8 @@ class Save:
         failure = None
         try:  # a failure is passed on by the plan's agreement: every rank must learn of it
             self.contents = Contents.of(self.state, self.options.base, self.storage, coord.rank)
+            if self.options.compress:
+                codec.zstd()  # missing, it fails the save here, every rank told, before any write
             if coord.is_coordinator:
                 with self.recorder.phase("lock"):
                     self.commit = Commit.open(self.storage, self.options.overwrite)
@@ -158,7 +162,7 @@ class Save:
         info, coord, contents = self.handle.info, self.coord, self.contents
 
         def early(cached: CachedPlan) -> None:
-            self.staged = contents.staged(self.storage, cached)
+            self.staged = contents.staged(self.storage, cached, self.options.compress)
             self.job = self.staged.job
             if self.pool.fits(self.job.nbytes):  # a save streaming through the pool copies beside its writes
                 self._copy()
@@ -179,7 +183,7 @@ class Save:
         self._copied_early = self.slot is not None and info.plan_cached
         if not self._copied_early:
             self._release_slot()  # copied for a plan another rank's change made stale: copy again
-            self.staged = contents.staged(self.storage, self.cached)
+            self.staged = contents.staged(self.storage, self.cached, self.options.compress)
             self.job = self.staged.job
         self.job.stored_as = functools.partial(generation_file, generation=self.generation)
         info.rank_bytes, info.balance = sum(item.nbytes for item in self.job.items), self.cached.balance
@@ -248,13 +252,14 @@ class Save:
         """Write this rank's files; what it tells the coordinator (a failure too)."""
         job, info = self.job, self.handle.info
         try:
-            checksums = job.write(self.recorder)
+            result = job.write(self.recorder)
             n = len(self.cached.writes)
-            info.files = {job.stored_as(name): size for name, size in job.sizes.items()}
-            return WriteReport(None, checksums[:n], {
-                key: ObjectMeta(file=f, offset=off, nbytes=len(data), crc32c=crc, encoding=enc, rank=rank)
-                for (key, (enc, data), rank), (f, off), crc in zip(self.staged.objects, self.staged.placed,
-                                                                   checksums[n:])}, job.sizes)
+            info.files = {job.stored_as(name): size for name, size in result.sizes.items()}
+            return WriteReport(None, result.items[:n], {
+                key: ObjectMeta(file=at.file, offset=out.offset, nbytes=len(data), crc32c=out.crc32c, encoding=enc,
+                                rank=rank)
+                for (key, (enc, data), rank), at, out in zip(self.staged.objects, self.staged.placed,
+                                                             result.items[n:])}, result.sizes)
         except Exception as exc:
             failure = RankFailure.of(bg.rank, exc)
             files = ", ".join(sorted(job.sizes)) or "nothing"
@@ -291,11 +296,12 @@ class Save:
         plan = self.cached.plan
         try:
             # Commits run one at a time on one thread, so the cached plan's entries can take this
-            # save's checksums in place; objects and file sizes are this save's own.
+            # save's checksums (and a compressed one's places) in place; objects and file sizes are
+            # this save's own.
             objects, files = {}, dict(plan.metadata.files)
             for rank, report in enumerate(reports):
-                for entry, crc in zip(plan.stored[rank], report.checksums):
-                    entry.crc32c = crc
+                for entry, out in zip(plan.stored[rank], report.written):
+                    entry.offset, entry.crc32c, entry.group, entry.packed = out.offset, out.crc32c, out.group, out.packed
                 for key, entry in report.objects.items():
                     objects.setdefault(key, []).append(entry)
                 files.update(report.sizes)

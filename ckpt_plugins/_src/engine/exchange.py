@@ -248,9 +248,8 @@ class ReadExchange:
         try:
             if not self.failures:  # after a failure, only the promised sends still go out
                 stored = job.read.stored
-                read_checked(self.storage, job.read.key, stored.file, stored.offset, stored.nbytes, start, end,
-                             stored.crc32c, self.work.chunk, buffer=job.data[start - job.start:end - job.start],
-                             recorder=self.recorder)
+                read_checked(self.storage, job.read.key, stored, start, end, self.work.chunk,
+                             buffer=job.data[start - job.start:end - job.start], recorder=self.recorder)
                 return end - start
             job.failed = True
             return 0

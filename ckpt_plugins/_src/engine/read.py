@@ -9,33 +9,64 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..format import chunk_checksums
+from ..codec import unpack
+from ..format import StoredItem, chunk_checksums, crc32c_of
 from ..fragment import Fragment, flat_offset, sub_view
 from ..plan import ReadItem
 from ..storage import Storage
 from ..telemetry import Recorder
 
 
-def read_checked(storage: Storage, key: str, file: str, offset: int, nbytes: int, start: int, end: int,
-                 crc32c: Sequence[int], chunk: int, buffer=None, recorder: Optional[Recorder] = None) -> bytearray:
-    """Bytes [start, end) of an item stored at `offset`, verified against its chunk checksums
-    (a foreign checkpoint's items have none: `crc32c` empty)."""
+def read_checked(storage: Storage, key: str, item: StoredItem, start: int, end: int, chunk: int, buffer=None,
+                 recorder: Optional[Recorder] = None) -> bytearray:
+    """Bytes [start, end) of a stored item, verified against its chunk checksums (a foreign
+    checkpoint's items have none: `crc32c` empty); a compressed item's chunks are decompressed,
+    only those the range touches."""
     buffer = bytearray(end - start) if buffer is None else buffer
+    if item.group:
+        return _read_packed(storage, key, item, start, end, chunk, buffer, recorder)
     t0 = time.time()
-    storage.read_into(file, offset + start, buffer)
+    storage.read_into(item.file, item.offset + start, buffer)
     t1 = time.time()
-    if not crc32c:
+    if not item.crc32c:
         if recorder is not None:
             recorder.add("read", t0, t1, end - start)
         return buffer
-    expected = crc32c[start // chunk:start // chunk + len(range(start, end, chunk))]
-    sums = chunk_checksums(buffer, chunk)
+    _check(key, item, start, end, chunk_checksums(buffer, chunk), chunk)
     if recorder is not None:
         recorder.add("read", t0, t1, end - start)
         recorder.add("checksum", t1, time.time(), end - start)
-    if sums != list(expected):
-        raise CorruptCheckpointError(f"checksum mismatch in {key}: file {file}, bytes "
-                                     f"{offset + start}..{offset + end}; the checkpoint is corrupt")
+    return buffer
+
+
+def _check(key: str, item: StoredItem, start: int, end: int, sums, chunk: int) -> None:
+    if sums != item.crc32c[start // chunk:start // chunk + len(sums)]:
+        raise CorruptCheckpointError(f"checksum mismatch in {key}: file {item.file}, bytes "
+                                     f"{item.offset + start}..{item.offset + end}; the checkpoint is corrupt")
+
+
+def _read_packed(storage: Storage, key: str, item: StoredItem, start: int, end: int, chunk: int, buffer,
+                 recorder: Optional[Recorder]) -> bytearray:
+    """`read_checked` of a compressed item: its chunks over [start, end) read as one range, then
+    each decompressed, checked and copied out."""
+    first, last = start // chunk, -(-end // chunk)
+    at = item.offset + sum(item.packed[:first])
+    frames = bytearray(sum(item.packed[first:last]))
+    t0 = time.time()
+    storage.read_into(item.file, at, frames)
+    t1 = time.time()
+    out, pos, where = memoryview(buffer).cast("B"), 0, f"{key} (file {item.file})"
+    for k in range(first, last):
+        n = item.packed[k]
+        data = unpack(memoryview(frames)[pos:pos + n], min(chunk, item.nbytes - k * chunk), item.group, where)
+        pos += n
+        if item.crc32c:
+            _check(key, item, k * chunk, k * chunk + len(data), [crc32c_of(data)], chunk)
+        lo, hi = max(start, k * chunk), min(end, k * chunk + len(data))
+        out[lo - start:hi - start] = data[lo - k * chunk:hi - k * chunk]
+    if recorder is not None:
+        recorder.add("read", t0, t1, len(frames))
+        recorder.add("decompress", t1, time.time(), end - start)
     return buffer
 
 

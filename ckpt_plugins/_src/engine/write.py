@@ -6,7 +6,8 @@ A pipeline over one staging buffer: the snapshot copies items into it file by fi
 order, and one writer thread per file follows the snapshot's progress, writing aligned pieces as
 soon as they are staged and checksumming them as they go. A save bigger than the buffer streams
 through it window by window: the snapshot copies a window once the writers have written the one
-that used its half of the buffer before.
+that used its half of the buffer before. A compressed save's writers compress each item chunk by
+chunk on the way out (`codec`), never in the snapshot.
 """
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..format import ChunkSums
+from ..codec import Packer
+from ..format import CHUNK_BYTES, ChunkSums
 from .. import hostmem
 from ..storage import Storage
 from ..telemetry import Recorder
@@ -40,12 +42,34 @@ class StageItem:
         s = self.source
         return s.numel() * s.element_size() if isinstance(s, torch.Tensor) else len(s)
 
+    @property
+    def group(self) -> int:
+        """The bytes of one element, by which compression groups them; 0: never compressed (objects)."""
+        return self.source.element_size() if isinstance(self.source, torch.Tensor) else 0
+
+
+@dataclass
+class Written:
+    """Where an item ended up and its chunk checksums: its planned place, unless compressed."""
+    offset: int
+    crc32c: List[int]
+    group: int = 0
+    packed: List[int] = field(default_factory=list)
+
+
+@dataclass
+class WriteResult:
+    items: List[Written]  # per item, in the job's order
+    sizes: Dict[str, int]  # each file's bytes
+
 
 class StagedWrite:
-    """One rank's share of a save: snapshot into a staging buffer, then write every file from it."""
+    """One rank's share of a save: snapshot into a staging buffer, then write every file from it
+    (`compress`: each tensor's chunks compressed where that pays)."""
+    chunk = CHUNK_BYTES  # the checksums' and the compression's unit
 
-    def __init__(self, storage: Storage, items: Sequence[StageItem]):
-        self.storage, self.items = storage, list(items)
+    def __init__(self, storage: Storage, items: Sequence[StageItem], compress: bool = False):
+        self.storage, self.items, self.compress = storage, list(items), compress
         self.sizes: Dict[str, int] = {}
         for item in self.items:
             self.sizes[item.file] = max(self.sizes.get(item.file, 0), item.offset + item.nbytes)
@@ -167,28 +191,29 @@ class StagedWrite:
                 self._failed = (side, exc)
             self._cond.notify_all()
 
-    def write(self, recorder: Optional[Recorder] = None) -> List[List[int]]:
+    def write(self, recorder: Optional[Recorder] = None) -> WriteResult:
         """Write every file as the snapshot progresses, a thread per file (a streaming snapshot
-        needs every file's writer to free its window); returns each item's chunk checksums.
-        `recorder` gets each file's write (seconds spent in the storage, bytes, O_DIRECT bytes,
-        retries) and the checksums' seconds."""
-        checksums: List[List[int]] = [[] for _ in self.items]
+        needs every file's writer to free its window); returns where each item went, with its
+        chunk checksums. `recorder` gets each file's write (seconds spent in the storage, bytes,
+        O_DIRECT bytes, retries), the checksums' and the compression's seconds."""
+        result = WriteResult([Written(item.offset, []) for item in self.items], dict(self.sizes))
         recorder = recorder or Recorder("save", "", 0, enabled=False)
         try:
             with ThreadPoolExecutor(max(1, len(self.sizes)), thread_name_prefix="ckpt-write") as pool:
-                list(pool.map(lambda name: self._write_file(name, checksums, recorder), sorted(self.sizes)))
+                list(pool.map(lambda name: self._write_file(name, result, recorder), sorted(self.sizes)))
         except BaseException:
             if self._failed is not None and self._failed[0] == "writing":
                 raise self._failed[1]  # the writer that failed first, not one it stopped
             raise
-        return checksums
+        return result
 
-    def _write_file(self, name: str, checksums: List[List[int]], recorder: Recorder) -> None:
+    def _write_file(self, name: str, result: WriteResult, recorder: Recorder) -> None:
         size = self.sizes[name]
         first, busy, summing = time.time(), 0.0, 0.0
         writer = self.storage.open_writer(self.stored_as(name))
         try:
-            sums = _FileSums(self.items, name)
+            sums = _FileSums(self.items, name, self.chunk)
+            packed = _PackedFile(self.items, name, writer, self.chunk) if self.compress else None
             pos = 0
             while pos < size:
                 with self._cond:
@@ -204,7 +229,10 @@ class StagedWrite:
                     self._raise_if_failed()
                 t = time.time()
                 data = _bytes(self.buffer[window.place(name, pos):window.place(name, target)])
-                writer.write(data)
+                if packed is None:
+                    writer.write(data)
+                else:
+                    packed.feed(pos, data)
                 busy += time.time() - t
                 t = time.time()
                 sums.feed(pos, data)
@@ -215,7 +243,10 @@ class StagedWrite:
             t = time.time()
             writer.close()  # fsync: part of the write
             busy += time.time() - t
-            sums.into(checksums)
+            sums.into(result.items)
+            if packed is not None:
+                size = result.sizes[name] = packed.into(result.items)
+                recorder.add("compress", first, time.time(), packed.raw, busy=packed.busy)
         except BaseException as exc:
             writer.close()
             self.fail(exc, "writing")
@@ -240,9 +271,9 @@ class StagedWrite:
 class _FileSums:
     """The chunk checksums of one file's items, fed the file's bytes in order as they are written."""
 
-    def __init__(self, items: Sequence[StageItem], name: str):
+    def __init__(self, items: Sequence[StageItem], name: str, chunk: int):
         self.order = deque(sorted((i for i, it in enumerate(items) if it.file == name), key=lambda i: items[i].offset))
-        self.items, self.sums = items, {i: ChunkSums() for i in self.order}
+        self.items, self.sums = items, {i: ChunkSums(chunk) for i in self.order}
 
     def feed(self, pos: int, data: memoryview) -> None:
         """Bytes [pos, pos + len(data)) of the file."""
@@ -257,9 +288,88 @@ class _FileSums:
         while self.order and self.items[self.order[0]].offset + self.items[self.order[0]].nbytes <= end:
             self.order.popleft()
 
-    def into(self, checksums: List[List[int]]) -> None:
+    def into(self, written: List[Written]) -> None:
         for index, sums in self.sums.items():
-            checksums[index] = sums.result()
+            written[index].crc32c = sums.result()
+
+
+class _PackedFile:
+    """One file's items compressed chunk by chunk as the file's bytes arrive in order, the chunks
+    written one after the other (the plan's alignment gaps left out). A tensor whose first chunk
+    does not pay is stored as it is, as are objects."""
+
+    def __init__(self, items: Sequence[StageItem], name: str, writer, chunk: int):
+        self.order = deque(sorted((i for i, it in enumerate(items) if it.file == name), key=lambda i: items[i].offset))
+        self.items, self.writer, self.chunk = items, writer, chunk
+        self.placed = {i: Written(0, [], items[i].group) for i in self.order}
+        self.partial: Dict[int, bytearray] = {}
+        self.begun: set = set()
+        self.packer: Optional[Packer] = None
+        self.pos = self.raw = 0
+        self.busy = 0.0
+
+    def feed(self, pos: int, data: memoryview) -> None:
+        """Bytes [pos, pos + len(data)) of the file as planned."""
+        end = pos + len(data)
+        for index in self.order:
+            item = self.items[index]
+            if item.offset >= end:
+                break
+            start, stop = max(pos, item.offset), min(end, item.offset + item.nbytes)
+            if start < stop:
+                self._take(index, data[start - pos:stop - pos], start - item.offset)
+        while self.order and self.items[self.order[0]].offset + self.items[self.order[0]].nbytes <= end:
+            self.order.popleft()
+
+    def _take(self, index: int, view: memoryview, at: int) -> None:
+        """Bytes [at, at + len(view)) of item `index`: whole chunks go out from the view, parts of
+        one gather first."""
+        nbytes, out = self.items[index].nbytes, self.placed[index]
+        if index not in self.begun:
+            self.begun.add(index)
+            out.offset = self.pos
+        while view:
+            if not out.group:  # an object, or a tensor whose first chunk did not pay: as it is
+                self._put(out, view, None)
+                return
+            start = at // self.chunk * self.chunk
+            length = min(self.chunk, nbytes - start)
+            n = min(len(view), start + length - at)
+            if at == start and n == length:
+                self._chunk(out, view[:n])
+            else:
+                gathered = self.partial.setdefault(index, bytearray())
+                gathered += view[:n]
+                if len(gathered) == length:
+                    self._chunk(out, self.partial.pop(index))
+            view, at = view[n:], at + n
+
+    def _chunk(self, out: Written, data) -> None:
+        frame = None
+        if out.group:
+            t = time.time()
+            self.packer = self.packer or Packer()
+            frame = self.packer.pack(data, out.group)
+            self.busy += time.time() - t
+            if frame is None and not out.packed:
+                out.group = 0  # the first chunk did not pay: none of this tensor is compressed
+        self.raw += len(data)
+        self._put(out, data, frame)
+
+    def _put(self, out: Written, data, frame: Optional[bytes]) -> None:
+        stored = data if frame is None else frame
+        self.writer.write(stored)
+        self.pos += len(stored)
+        if out.group:
+            out.packed.append(len(stored))
+
+    def into(self, written: List[Written]) -> int:
+        """Each item's place and chunks; the file's size."""
+        for index, out in self.placed.items():
+            if not out.packed:  # stored as it is (or empty)
+                out.group = 0
+            written[index].offset, written[index].group, written[index].packed = out.offset, out.group, out.packed
+        return self.pos
 
 
 @dataclass
