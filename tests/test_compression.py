@@ -162,3 +162,17 @@ def test_without_zstandard_a_compressed_save_names_the_install(tmp_path):
             f"cp.save({str(tmp_path / 'c')!r}, {{'w': torch.zeros(1 << 20)}}, compress=True)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "pip install 'ckpt_plugins[zstd]'" in out.stderr, out.stderr
+
+
+def test_a_compressed_checkpoint_exports_to_dcp_bit_for_bit(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    cp.save(tmp_path / "c", {"model": model}, compress=True)
+    assert cp.read_metadata(tmp_path / "c").tensors["model/weight"].boxes[0].group == 4
+    out = subprocess.run([BCP, "export", tmp_path / "c", tmp_path / "dcp", "--format", "dcp"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = {"model.weight": torch.zeros(512, 512), "model.bias": torch.zeros(512)}
+    dcp.load(got, checkpoint_id=str(tmp_path / "dcp"))
+    assert torch.equal(got["model.weight"], model.weight) and torch.equal(got["model.bias"], model.bias)

@@ -1,0 +1,249 @@
+"""Lossless compression on trained weights: ours against plain, PyTorch DCP's zstd extension and
+zipnn, side by side in one run.
+
+Trains a small Llama (transformers, built from a config: no download) on a learnable synthetic
+corpus (a fixed sparse Markov chain over the vocabulary) for `--steps` AdamW steps on the CPU, so
+the tensors are trained ones, not an initialization. Then saves, on the same tensors, their bf16
+weights, fp32 masters and fp32 Adam moments (as three groups of plain tensors, so nothing is left
+out as another's cast) with each method:
+
+- plain: ckpt_plugins `save_async` / `load`;
+- ours: the same with `compress=True` (each chunk's bytes grouped by position, then zstd);
+- DCP zstd: `torch.distributed.checkpoint.save` through `FileSystemWriter(_extensions=[ZStandard()])`
+  (DCP's stream transform: each tensor's bytes as they are, then zstd), and its `load`;
+- zipnn: `zipnn.ZipNN` on each tensor (its byte grouping, Huffman or zstd per group; given a copy,
+  timed with it, since it reorders its input in place), the results written to one file with
+  fsync, read back and decompressed.
+
+Per method: bytes stored (per group and in all), the stall (how long the save call blocks; DCP's
+and zipnn's saves are synchronous: all of it), the time to a durable checkpoint, the load (page
+cache dropped), medians of `--reps`, and ratios to plain; every load is checked bit for bit. The
+machine's write limit (O_DIRECT) is printed beside: what compression must beat to speed a commit.
+Deletes everything it wrote.
+
+Run: .venv/bin/python bench/compression.py [--steps 200] [--reps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+import ckpt_plugins as cp
+from ckpt_plugins._src.optional import require
+from export import write_limit  # bench/ is the script's directory
+from save_load import dir_bytes, drop_cache
+
+GROUPS = ("weights_bf16", "masters_fp32", "moments_fp32")
+
+
+def trained_state(steps: int, seed: int = 0) -> Dict[str, Dict[str, torch.Tensor]]:
+    """A small Llama after `steps` AdamW steps on a Markov-chain corpus: its tensors by group."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    vocab = 8192
+    config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
+    model = LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, vocab, (vocab, 4), generator=g)  # each token has 4 likely next ones
+    t0, losses = time.time(), []
+    for _ in range(steps):
+        tokens = torch.empty(8, 128, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, vocab, (8,), generator=g)
+        for i in range(1, 128):
+            tokens[:, i] = successors[tokens[:, i - 1], torch.randint(0, 4, (8,), generator=g)]
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    print(f"trained {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters for {steps} steps "
+          f"in {time.time() - t0:.0f} s: loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+    names = dict(model.named_parameters())
+    return {"weights_bf16": {n: p.detach().to(torch.bfloat16) for n, p in names.items()},
+            "masters_fp32": {n: p.detach().clone() for n, p in names.items()},
+            "moments_fp32": {f"{n}.{k}": opt.state[p][k].clone() for n, p in names.items()
+                             for k in ("exp_avg", "exp_avg_sq")}}
+
+
+def zeros_like(state):
+    return {g: {k: torch.zeros_like(v) for k, v in t.items()} for g, t in state.items()}
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(a[g][k].view(torch.uint8), b[g][k].view(torch.uint8)) for g in a for k in a[g])
+
+
+class Method:
+    """One way to store the state: `save(path) -> stall seconds` (durable when it returns, or when
+    `wait()` does), `load(path) -> state`, `group_bytes(path) -> bytes per group`."""
+    name = ""
+
+    def wait(self) -> None:
+        pass
+
+
+class Ours(Method):
+    def __init__(self, state, compress: bool):
+        self.state, self.compress = state, compress
+        self.name = "ours compressed" if compress else "plain"
+        self.ckpt = cp.Checkpointer()
+
+    def save(self, path) -> float:
+        t = time.perf_counter()
+        self.handle = self.ckpt.save_async(path, self.state, compress=self.compress)
+        return time.perf_counter() - t
+
+    def wait(self) -> None:
+        self.handle.wait()
+
+    def load(self, path):
+        out = zeros_like(self.state)
+        self.ckpt.load(path, out)
+        return out
+
+    def group_bytes(self, path) -> Dict[str, int]:
+        meta = cp.read_metadata(path)
+        return {g: sum(b.stored_nbytes for k, t in meta.tensors.items() if k.startswith(g + "/") for b in t.boxes)
+                for g in GROUPS}
+
+
+class DcpZstd(Method):
+    name = "DCP zstd"
+
+    def __init__(self, state):
+        require("zstandard", "DCP's ZStandard extension")
+        self.state = state
+
+    def save(self, path) -> float:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._extension import ZStandard
+        t = time.perf_counter()
+        dcp.save(self.state, storage_writer=dcp.FileSystemWriter(path, _extensions=[ZStandard()], thread_count=2))
+        return time.perf_counter() - t
+
+    def load(self, path):
+        import torch.distributed.checkpoint as dcp
+        out = zeros_like(self.state)
+        dcp.load(out, storage_reader=dcp.FileSystemReader(path))
+        return out
+
+    def group_bytes(self, path) -> Dict[str, int]:
+        import torch.distributed.checkpoint as dcp
+        meta = dcp.FileSystemReader(path).read_metadata()
+        sizes = {g: 0 for g in GROUPS}
+        for index, info in meta.storage_data.items():
+            sizes[index.fqn.split(".", 1)[0]] += info.length
+        return sizes
+
+
+class ZipNN(Method):
+    name = "zipnn"
+
+    def __init__(self, state):
+        self.zipnn = require("zipnn", "the zipnn comparison", "pip install zipnn")
+        self.state = state
+        self.codecs = {dtype: self.zipnn.ZipNN(input_format="torch", bytearray_dtype=name, threads=2)
+                       for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32"))}
+
+    def save(self, path) -> float:
+        t = time.perf_counter()
+        os.makedirs(path)
+        self.lengths = {}
+        with open(os.path.join(path, "data.bin"), "wb") as f:
+            for g, tensors in self.state.items():
+                for k, v in tensors.items():
+                    blob = self.codecs[v.dtype].compress(v.clone())  # it reorders its input in place
+                    f.write(blob)
+                    self.lengths[g, k] = len(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        return time.perf_counter() - t
+
+    def load(self, path):
+        out = zeros_like(self.state)
+        with open(os.path.join(path, "data.bin"), "rb") as f:
+            for g, tensors in self.state.items():
+                for k, v in tensors.items():
+                    got = self.codecs[v.dtype].decompress(f.read(self.lengths[g, k]))
+                    out[g][k].copy_(got.view(v.dtype).view(v.shape))
+        return out
+
+    def group_bytes(self, path) -> Dict[str, int]:
+        return {g: sum(n for (h, _), n in self.lengths.items() if h == g) for g in GROUPS}
+
+
+def measure(method: Method, state, root: str, reps: int) -> dict:
+    stalls, commits, loads = [], [], []
+    for rep in range(reps):
+        path = os.path.join(root, f"{method.name.replace(' ', '_')}-{rep}")
+        t = time.perf_counter()
+        stalls.append(method.save(path))
+        method.wait()
+        commits.append(time.perf_counter() - t)
+        drop_cache(path)
+        t = time.perf_counter()
+        got = method.load(path)
+        loads.append(time.perf_counter() - t)
+        assert same(got, state), f"{method.name}: the load differs from what was saved"
+        groups, total = method.group_bytes(path), dir_bytes(path)
+        shutil.rmtree(path)
+    return {"stall": statistics.median(stalls), "commit": statistics.median(commits),
+            "load": statistics.median(loads), "groups": groups, "bytes": total}
+
+
+def report(rows: Dict[str, dict], raw: Dict[str, int], limit: float) -> None:
+    plain = rows["plain"]
+    print(f"\nbytes stored (MB) and ratio to the tensors' own bytes; the machine writes {limit / 1e6:.0f} MB/s (O_DIRECT)")
+    print(f"{'method':<16}" + "".join(f"{g:>22}" for g in GROUPS) + f"{'all files':>18}")
+    print(f"{'(tensors)':<16}" + "".join(f"{raw[g] / 1e6:>15.1f}      " for g in GROUPS))
+    for name, r in rows.items():
+        print(f"{name:<16}" + "".join(f"{r['groups'][g] / 1e6:>15.1f} {raw[g] / r['groups'][g]:>5.2f}x" for g in GROUPS)
+              + f"{r['bytes'] / 1e6:>11.1f} {plain['bytes'] / r['bytes']:>5.2f}x")
+    print(f"\n{'method':<16}{'stall s':>9}{'commit s':>10}{'load s':>9}{'stall/plain':>13}{'commit/plain':>14}"
+          f"{'load/plain':>12}")
+    for name, r in rows.items():
+        print(f"{name:<16}{r['stall']:>9.3f}{r['commit']:>10.3f}{r['load']:>9.3f}{r['stall'] / plain['stall']:>13.2f}"
+              f"{r['commit'] / plain['commit']:>14.2f}{r['load'] / plain['load']:>12.2f}")
+    ours, dcp = rows["ours compressed"], rows.get("DCP zstd")
+    if dcp is not None:
+        print(f"\nours / DCP zstd, bytes: bf16 weights {ours['groups']['weights_bf16'] / dcp['groups']['weights_bf16']:.3f}, "
+              f"all {ours['bytes'] / dcp['bytes']:.3f}")
+
+
+def main(argv: List[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    args = parser.parse_args(argv)
+    state = trained_state(args.steps)
+    raw = {g: sum(v.numel() * v.element_size() for v in t.values()) for g, t in state.items()}
+    root = tempfile.mkdtemp(prefix="bench-compression-", dir=args.dir or os.getcwd())
+    try:
+        limit = sum(raw.values()) / write_limit(root, sum(raw.values()), direct=True)
+        os.remove(os.path.join(root, "limit.bin"))
+        methods: List[Callable[[], Method]] = [lambda: Ours(state, False), lambda: Ours(state, True),
+                                               lambda: DcpZstd(state), lambda: ZipNN(state)]
+        rows = {}
+        for make in methods:
+            method = make()
+            rows[method.name] = measure(method, state, root, args.reps)
+            print(f"{method.name}: {rows[method.name]['bytes'] / 1e6:.1f} MB, commit {rows[method.name]['commit']:.3f} s",
+                  flush=True)
+        report(rows, raw, limit)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
