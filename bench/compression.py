@@ -15,6 +15,11 @@ out as another's cast) with each method:
   timed with it, since it reorders its input in place), the results written to one file with
   fsync, read back and decompressed.
 
+Then ours as deltas: a compressed save, and one delta per optimizer step against the one before
+over `--delta-steps` steps at an RL post-training learning rate (`--delta-lr`): the share of bf16
+weights that changed, the bytes each group's delta takes, and the load of the last delta, the
+whole chain deep.
+
 Per method: bytes stored (per group and in all), the stall (how long the save call blocks; DCP's
 and zipnn's saves are synchronous: all of it), the time to a durable checkpoint, the load (page
 cache dropped), medians of `--reps`, and ratios to plain; every load is checked bit for bit. The
@@ -44,35 +49,42 @@ from save_load import dir_bytes, drop_cache
 GROUPS = ("weights_bf16", "masters_fp32", "moments_fp32")
 
 
-def trained_state(steps: int, seed: int = 0) -> Dict[str, Dict[str, torch.Tensor]]:
-    """A small Llama after `steps` AdamW steps on a Markov-chain corpus: its tensors by group."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    vocab = 8192
-    config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
-    model = LlamaForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(seed)
-    successors = torch.randint(0, vocab, (vocab, 4), generator=g)  # each token has 4 likely next ones
-    t0, losses = time.time(), []
-    for _ in range(steps):
-        tokens = torch.empty(8, 128, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, vocab, (8,), generator=g)
-        for i in range(1, 128):
-            tokens[:, i] = successors[tokens[:, i - 1], torch.randint(0, 4, (8,), generator=g)]
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    print(f"trained {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters for {steps} steps "
-          f"in {time.time() - t0:.0f} s: loss {losses[0]:.2f} -> {losses[-1]:.2f}")
-    names = dict(model.named_parameters())
-    return {"weights_bf16": {n: p.detach().to(torch.bfloat16) for n, p in names.items()},
-            "masters_fp32": {n: p.detach().clone() for n, p in names.items()},
-            "moments_fp32": {f"{n}.{k}": opt.state[p][k].clone() for n, p in names.items()
-                             for k in ("exp_avg", "exp_avg_sq")}}
+class Run:
+    """A small Llama trained with AdamW on a learnable corpus (a fixed sparse Markov chain over the
+    vocabulary: each token has 4 likely successors)."""
+
+    def __init__(self, seed: int = 0):
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(seed)
+        self.vocab = 8192
+        config = LlamaConfig(vocab_size=self.vocab, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
+        self.model = LlamaForCausalLM(config)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.g = torch.Generator().manual_seed(seed)
+        self.successors = torch.randint(0, self.vocab, (self.vocab, 4), generator=self.g)
+
+    def train(self, steps: int) -> List[float]:
+        losses = []
+        for _ in range(steps):
+            tokens = torch.empty(8, 128, dtype=torch.long)
+            tokens[:, 0] = torch.randint(0, self.vocab, (8,), generator=self.g)
+            for i in range(1, 128):
+                tokens[:, i] = self.successors[tokens[:, i - 1], torch.randint(0, 4, (8,), generator=self.g)]
+            loss = self.model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def state(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Its tensors by group, copied."""
+        names = dict(self.model.named_parameters())
+        return {"weights_bf16": {n: p.detach().to(torch.bfloat16) for n, p in names.items()},
+                "masters_fp32": {n: p.detach().clone() for n, p in names.items()},
+                "moments_fp32": {f"{n}.{k}": self.opt.state[p][k].clone() for n, p in names.items()
+                                 for k in ("exp_avg", "exp_avg_sq")}}
 
 
 def zeros_like(state):
@@ -201,6 +213,41 @@ def measure(method: Method, state, root: str, reps: int) -> dict:
             "load": statistics.median(loads), "groups": groups, "bytes": total}
 
 
+def deltas(run: Run, root: str, steps: int, lr: float) -> None:
+    """Ours as deltas: a compressed save, then one delta per optimizer step against the one before,
+    at an RL post-training learning rate; the last (a chain of `steps`) loaded bit for bit."""
+    for group in run.opt.param_groups:
+        group["lr"] = lr
+    ckpt, state = cp.Checkpointer(), run.state()
+    first = os.path.join(root, "delta-0")
+    ckpt.save(first, state, compress=True)
+    sizes = Ours(state, True).group_bytes(first)
+    raw = {g: sum(v.numel() * v.element_size() for v in t.values()) for g, t in state.items()}
+    print(f"\nours as deltas over {steps} optimizer steps at lr {lr:g} (MB; x: the group's plain bytes / stored)")
+    print(f"{'step':<6}{'bf16 changed':>14}" + "".join(f"{g:>22}" for g in GROUPS) + f"{'commit s':>10}")
+    print(f"{'full':<6}{'':>14}" + "".join(f"{sizes[g] / 1e6:>15.2f} {raw[g] / sizes[g]:>5.2f}x" for g in GROUPS))
+    ratios = []
+    for step in range(1, steps + 1):
+        before = state["weights_bf16"]
+        run.train(1)
+        state = run.state()
+        changed = sum(int((a.view(torch.int16) != b.view(torch.int16)).sum()) for a, b in
+                      zip(before.values(), state["weights_bf16"].values())) / sum(v.numel() for v in before.values())
+        path = os.path.join(root, f"delta-{step}")
+        t = time.perf_counter()
+        ckpt.save(path, state, delta_from=os.path.join(root, f"delta-{step - 1}"), max_chain=steps)
+        commit = time.perf_counter() - t
+        sizes = Ours(state, True).group_bytes(path)
+        ratios.append(raw["weights_bf16"] / max(1, sizes["weights_bf16"]))
+        print(f"{step:<6}{changed:>13.1%} " + "".join(f"{sizes[g] / 1e6:>15.2f} {raw[g] / max(1, sizes[g]):>5.2f}x"
+                                                       for g in GROUPS) + f"{commit:>10.3f}")
+    drop_cache(root)
+    t = time.perf_counter()
+    got = Ours(state, True).load(path)
+    print(f"the last, {steps} deltas deep, loads in {time.perf_counter() - t:.3f} s (page cache dropped), bit for bit: "
+          f"{same(got, state)}; bf16 weights: a full plain save / a delta = {statistics.median(ratios):.1f}x (median)")
+
+
 def report(rows: Dict[str, dict], raw: Dict[str, int], limit: float) -> None:
     plain = rows["plain"]
     print(f"\nbytes stored (MB) and ratio to the tensors' own bytes; the machine writes {limit / 1e6:.0f} MB/s (O_DIRECT)")
@@ -225,8 +272,14 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    parser.add_argument("--delta-steps", type=int, default=10)
+    parser.add_argument("--delta-lr", type=float, default=1e-6)
     args = parser.parse_args(argv)
-    state = trained_state(args.steps)
+    run, t0 = Run(), time.time()
+    losses = run.train(args.steps)
+    print(f"trained {sum(p.numel() for p in run.model.parameters()) / 1e6:.1f}M parameters for {args.steps} steps "
+          f"in {time.time() - t0:.0f} s: loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+    state = run.state()
     raw = {g: sum(v.numel() * v.element_size() for v in t.values()) for g, t in state.items()}
     root = tempfile.mkdtemp(prefix="bench-compression-", dir=args.dir or os.getcwd())
     try:
@@ -241,6 +294,7 @@ def main(argv: List[str]) -> None:
             print(f"{method.name}: {rows[method.name]['bytes'] / 1e6:.1f} MB, commit {rows[method.name]['commit']:.3f} s",
                   flush=True)
         report(rows, raw, limit)
+        deltas(run, root, args.delta_steps, args.delta_lr)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from importlib.metadata import entry_points
 from typing import List
 
 from ._src.committed import check_files, read_metadata
 from ._src.diff import diff
+from ._src.delta import opened
 from ._src.engine.read import read_checked
 from ._src.errors import CheckpointError, IncompleteCheckpointError
 from ._src.format import Metadata
@@ -32,6 +34,7 @@ def _summary(metadata: Metadata) -> dict:
         "layout": metadata.layout, "step": metadata.step, "world_size": metadata.world_size,
         "total_bytes": metadata.total_bytes, "files": metadata.files, "tensors": tensors,
         "aliases": metadata.aliases, "casts": metadata.casts,
+        "delta": None if getattr(metadata, "delta", None) is None else asdict(metadata.delta),
         "objects": {k: [{"rank": o.rank, "encoding": o.encoding, "nbytes": o.nbytes} for o in v]
                     for k, v in metadata.objects.items()},
     }
@@ -52,6 +55,9 @@ def cmd_inspect(args) -> int:
           f"(world size {info['world_size']}, layout {json.dumps(info['layout'])}), step {info['step']}")
     loaded = sum(t["bytes"] for t in info["tensors"].values())
     stored = sum(t["stored_bytes"] for t in info["tensors"].values())
+    if info["delta"] is not None:
+        print(f"a delta against {info['delta']['path']} ({info['delta']['depth']} deep): unchanged chunks are "
+              "not stored, the others as XORs with the same chunks there")
     print(f"{len(info['tensors'])} tensors, {len(info['objects'])} objects, "
           f"{info['total_bytes'] / 1e6:.2f} MB in {len(info['files'])} files"
           + (f"; tensors compressed {loaded / 1e6:.2f} -> {stored / 1e6:.2f} MB ({loaded / stored:.2f}x)"
@@ -77,6 +83,7 @@ def cmd_verify(args) -> int:
     metadata = read_metadata(args.path)
     storage = storage_for(args.path)
     check_files(storage, metadata)
+    base = opened(storage, metadata)  # a delta's base: verified with it, down the chain
     items = [(k, b) for k, t in metadata.tensors.items() for b in t.boxes] + \
             [(k, o) for k, objs in metadata.objects.items() for o in objs]
     unchecked = [(k, i) for k, i in items if not i.crc32c]
@@ -94,7 +101,7 @@ def cmd_verify(args) -> int:
         for start in range(0, max(item.nbytes, 1), step):
             end = min(start + step, item.nbytes)
             try:
-                read_checked(storage, key, item, start, end, metadata.chunk_bytes)
+                read_checked(storage, key, item, start, end, metadata.chunk_bytes, base=base)
             except CheckpointError as exc:
                 failures.append(str(exc))
                 break

@@ -173,7 +173,7 @@ def test_metadata_is_versioned_plain_json(tmp_path):
     model, _, _ = make(0)
     cp.save(tmp_path / "c", {"model": model}, framework="torch", layout={"dp": 1}, step=7)
     raw = json.loads((tmp_path / "c" / "metadata.json").read_text())
-    assert raw["format"] == "ckpt_plugins" and raw["version"] == 3 and raw["step"] == 7
+    assert raw["format"] == "ckpt_plugins" and raw["version"] == 4 and raw["step"] == 7
     # the tensor table's columns, read as the format specification says, with numpy alone
     column = {name: np.frombuffer(base64.b64decode(raw["tensors"][name]), dtype=t)
               for name, t in (("ndim", "<u1"), ("shape", "<i8"), ("dtype", "<u1"))}

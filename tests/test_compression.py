@@ -1,6 +1,7 @@
-"""Compressed saves (format version 4): each tensor's chunks stored as zstd frames of their bytes
-grouped by position, where that pays; bit-exact loads, resharded ones reading only the chunks
-they touch; tools and bad input."""
+"""Compressed and delta saves (format version 4): each tensor's chunks stored as zstd frames of
+their bytes grouped by position, where that pays, or as XORs with the same chunks of an earlier
+checkpoint; bit-exact loads, resharded ones reading only the chunks they touch; chains, their
+bases and retention; tools and bad input."""
 import json
 import os
 import shutil
@@ -176,3 +177,84 @@ def test_a_compressed_checkpoint_exports_to_dcp_bit_for_bit(tmp_path):
     got = {"model.weight": torch.zeros(512, 512), "model.bias": torch.zeros(512)}
     dcp.load(got, checkpoint_id=str(tmp_path / "dcp"))
     assert torch.equal(got["model.weight"], model.weight) and torch.equal(got["model.bias"], model.bias)
+
+
+def rl_steps(state, steps, seed=0):
+    """What RL post-training does to bf16 weights between saves: a small update moves about a
+    tenth of the elements by one or two bf16 steps; the int tensor never changes."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        w = state["bf16"].view(-1).view(torch.int16)
+        moved = torch.rand(w.numel(), generator=g) < 0.02
+        w[moved] += torch.randint(-2, 3, (int(moved.sum()),), generator=g, dtype=torch.int16)
+        state["fp32"].add_(torch.randn(state["fp32"].shape, generator=g) * 1e-4)
+
+
+def test_a_chain_of_deltas_loads_bit_for_bit_and_stores_only_what_changed(tmp_path, monkeypatch):
+    state = {k: v for k, v in tensors().items() if k in ("bf16", "fp32", "int32")}
+    cp.save(tmp_path / "s0", {"t": state}, compress=True)
+    full = cp.read_metadata(tmp_path / "s0").tensors["t/bf16"].boxes[0].stored_nbytes
+    saved = []
+    for i in range(1, 7):
+        rl_steps(state, 2, seed=i)
+        cp.save(tmp_path / f"s{i}", {"t": state}, delta_from=tmp_path / f"s{i - 1}", max_chain=5)
+        saved.append({k: v.clone() for k, v in state.items()})
+    metas = [cp.read_metadata(tmp_path / f"s{i}") for i in range(1, 7)]
+    assert [m.delta.depth if m.delta else 0 for m in metas] == [1, 2, 3, 4, 5, 0]  # the sixth starts anew
+    assert metas[0].delta.path == "../s0" and metas[4].delta.path == "../s4"
+    for m in metas[:5]:
+        boxes = {k: t.boxes[0] for k, t in m.tensors.items()}
+        assert all(b.delta for b in boxes.values())
+        assert boxes["t/int32"].stored_nbytes == 0 and set(boxes["t/int32"].packed) == {0}  # unchanged
+        assert boxes["t/bf16"].stored_nbytes * 3 < full  # a delta of about 4% of elements
+    assert not any(b.delta for t in metas[5].tensors.values() for b in t.boxes)
+    for i, want in enumerate(saved, 1):
+        got = {k: torch.zeros_like(v) for k, v in want.items()}
+        cp.load(tmp_path / f"s{i}", {"t": got})
+        for key, value in want.items():
+            assert torch.equal(raw(got[key]), raw(value)), (i, key)
+    seen = []  # a few rows of the deepest delta: their chunk only, at every level of the chain
+    unpack = codec.unpack
+    from ckpt_plugins._src.engine import read
+    monkeypatch.setattr(read, "unpack", lambda frame, n, group, where: (seen.append(where), unpack(frame, n, group, where))[1])
+    target = torch.zeros(3, 1024)
+    cp.load(tmp_path / "s5", {"t": {"fp32": Rows((1100, 1024), 700, target)}}, strict=False)
+    assert torch.equal(target, saved[4]["fp32"][700:703])
+    assert len(seen) == 6, seen  # s5's chunk, its bases' down to s0 (which stores it compressed)
+    out = subprocess.run([BCP, "verify", tmp_path / "s5"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "all checksums match" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run([BCP, "inspect", tmp_path / "s5"], capture_output=True, text=True, timeout=120)
+    assert "a delta against ../s4 (5 deep)" in out.stdout
+
+
+def test_a_missing_or_changed_base_is_refused_naming_it(tmp_path):
+    state = {"bf16": tensors()["bf16"]}
+    cp.save(tmp_path / "s0", {"t": state})
+    rl_steps({"bf16": state["bf16"], "fp32": torch.zeros(1)}, 1)
+    cp.save(tmp_path / "s1", {"t": state}, delta_from=tmp_path / "s0")
+    cp.save(tmp_path / "s2", {"t": state}, delta_from=tmp_path / "s1")
+    got = {"t": {"bf16": torch.zeros_like(state["bf16"])}}
+    shutil.move(tmp_path / "s0", tmp_path / "elsewhere")  # the chain's bottom, two below
+    with pytest.raises(cp.CheckpointError, match=r"s1 was saved on the base checkpoint .*s0, which cannot be read"):
+        cp.load(tmp_path / "s2", got)
+    assert not got["t"]["bf16"].any()  # nothing loaded
+    cp.save(tmp_path / "s0", {"t": {"bf16": torch.ones_like(state["bf16"])}})  # another checkpoint there
+    with pytest.raises(cp.CheckpointError, match=r"s1 was saved on the base checkpoint .*s0, which has changed since"):
+        cp.load(tmp_path / "s2", got)
+    out = subprocess.run([BCP, "verify", tmp_path / "s2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "has changed since" in out.stderr
+
+
+def test_retention_keeps_the_bases_a_kept_delta_needs(tmp_path):
+    manager = cp.CheckpointManager(tmp_path / "run", keep_last=1)
+    state = {"bf16": tensors()["bf16"]}
+    manager.save(1, {"t": state})
+    for step in (2, 3):
+        rl_steps({"bf16": state["bf16"], "fp32": torch.zeros(1)}, 1, seed=step)
+        manager.save(step, {"t": state}, delta_from=manager.path(step - 1))
+    assert manager.steps() == [1, 2, 3]  # step 3 needs 2, which needs 1
+    manager.save(4, {"t": state})  # stores everything: nothing below it is needed
+    assert manager.steps() == [4]
+    got = {"t": {"bf16": torch.zeros_like(state["bf16"])}}
+    manager.load(got)
+    assert torch.equal(got["t"]["bf16"], state["bf16"])

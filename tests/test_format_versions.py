@@ -3,7 +3,8 @@ shipped in tests/fixtures/format_v<N>/ and load bit for bit into today's code, r
 ranks' rows into one process), and pass `bcp verify`. Version 4's holds compressed boxes.
 
 A fixture is written once, by the release that introduced its version, and never rewritten:
-`python tests/test_format_versions.py tests/fixtures/format_v<N>` (2 ranks)."""
+`python tests/test_format_versions.py tests/fixtures/format_v<N>` (2 ranks). From version 4 on, a
+delta checkpoint beside it too: `... tests/fixtures/format_v4 tests/fixtures/format_v4_delta`."""
 from __future__ import annotations
 
 import shutil
@@ -19,6 +20,7 @@ from ckpt_plugins.ext import MODEL, LoadItems, SaveItems, box_fragment, master_k
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VERSIONS = [1, 2, 3, 4]
+DELTAS = [4]  # versions with a delta checkpoint (format_v<N>_delta, built on format_v<N>)
 # denormal, NaN payloads (quiet, signalling), -0.0: values torch.equal cannot tell apart or calls unequal
 SPECIALS = torch.tensor([1, 0x7FC00001, 0x7F800001, -(1 << 31)], dtype=torch.int32).view(torch.float32)
 
@@ -77,21 +79,30 @@ class Rows(cp.Handler):
         return LoadItems(fragments=[box_fragment(prefix, (6, 5), (3 * self.rank, 0), self.tensor)])
 
 
-def write_fixture(rank, world, path):
-    v = values()
+def changed(v: dict) -> dict:
+    """What the delta fixture holds: `long` changed in its second chunk, the rest as it was."""
+    v = dict(v, long=v["long"].clone())
+    v["long"][-10:] += 1
+    return v
+
+
+def write_fixture(rank, world, path, base=None):
+    v = values() if base is None else changed(values())
     model, opt = model_and_optimizer(v)
     cp.save(path, {"model": model, "optim": opt, "rows": Rows(v["rows"][3 * rank:3 * rank + 3], rank),
                    "bf16": v["bf16"], "ints": v["ints"], "specials": v["specials"],
                    "extra": {"epoch": 3, "note": "format fixture"}, "mixed": Mixed(v["master"], rank),
                    "long": v["long"], "smooth": v["smooth"]},
-            framework="torch", layout={"dp": world}, step=7, compress=True)
+            framework="torch", layout={"dp": world}, step=7, compress=True, delta_from=base)
 
 
 def test_every_format_version_ever_written_loads_bit_for_bit(tmp_path, capsys):
-    v = values()
-    for version in VERSIONS:
-        path = tmp_path / f"v{version}"
-        shutil.copytree(FIXTURES / f"format_v{version}", path)
+    for name in [f"format_v{n}" for n in VERSIONS] + [f"format_v{n}_delta" for n in DELTAS]:
+        shutil.copytree(FIXTURES / name, tmp_path / name)  # side by side: a delta names its base by relative path
+    for version in VERSIONS + [f"{n}_delta" for n in DELTAS]:
+        path = tmp_path / f"format_v{version}"
+        v = changed(values()) if str(version).endswith("_delta") else values()
+        version = int(str(version).split("_")[0])
         meta = cp.read_metadata(str(path))
         assert (meta.version, meta.step, meta.framework, meta.world_size) == (version, 7, "torch", 2)
         model, opt = model_and_optimizer()
@@ -102,7 +113,10 @@ def test_every_format_version_ever_written_loads_bit_for_bit(tmp_path, capsys):
             got["mixed"].weight.zero_()
         if version >= 4:
             got["long"], got["smooth"] = torch.zeros_like(v["long"]), torch.zeros_like(v["smooth"])
-            assert [len(meta.tensors[k].boxes[0].packed) for k in ("long", "smooth")] == [2, 1]
+            long = meta.tensors["long"].boxes[0]
+            assert len(long.packed) == 2 and long.delta == (meta.delta is not None)
+            if meta.delta is not None:  # only the changed chunk is stored
+                assert meta.delta.path == "../format_v4" and long.packed[0] == 0 < long.packed[1]
         cp.load(str(path), got)
         for key in ("rows", "bf16", "ints"):
             assert torch.equal(got[key], v[key]), (version, key)
@@ -124,3 +138,5 @@ def test_every_format_version_ever_written_loads_bit_for_bit(tmp_path, capsys):
 if __name__ == "__main__":
     from distributed import run_ranks
     run_ranks(2, write_fixture, sys.argv[1])
+    if len(sys.argv) > 2:
+        run_ranks(2, write_fixture, sys.argv[2], sys.argv[1])

@@ -245,20 +245,27 @@ def compressible(seed=0):
 
 @pytest.fixture(scope="module")
 def compressed(tmp_path_factory):
+    """A delta (its ints) and compressed (its bf16, which changed too much) checkpoint, beside its base."""
     path = tmp_path_factory.mktemp("compressed") / "ckpt"
-    cp.save(path, compressible(1), compress=True)
-    assert all(b.group for t in cp.read_metadata(path).tensors.values() for b in t.boxes)
+    base = compressible(1)
+    cp.save(path.parent / "base", base, compress=True)
+    base["ints"][:1000] += 1
+    cp.save(path, {**base, "w": compressible(2)["w"]}, delta_from=path.parent / "base")
+    boxes = {k: t.boxes[0] for k, t in cp.read_metadata(path).tensors.items()}
+    assert boxes["ints"].delta and boxes["ints"].packed[1] == 0 and boxes["w"].group and boxes["w"].delta
     return path
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_forged_extents_and_corrupt_compressed_chunks_load_right_or_fail_with_our_errors(compressed, tmp_path, data):
-    """A compressed box's grouping or one chunk's stored length forged, or a byte of its frames
-    changed, dropped or added: decoding refuses it, or the load is right or `CorruptCheckpointError`."""
+    """A compressed or delta box's grouping, delta flag or one chunk's stored length forged, or a
+    byte of its frames changed, dropped or added: decoding refuses it, or the load is right or
+    `CorruptCheckpointError`."""
     work = tmp_path / "z"
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(compressed, work)
+    shutil.copytree(compressed.parent / "base", tmp_path / "base", dirs_exist_ok=True)
     if data.draw(st.booleans()):
         raw = json.loads((work / "metadata.json").read_text())
         name = data.draw(st.sampled_from(sorted(PACKED_COLUMNS)))
@@ -288,7 +295,9 @@ def test_forged_extents_and_corrupt_compressed_chunks_load_right_or_fail_with_ou
         cp.load(work, got)
     except (cp.MetadataError, cp.CorruptCheckpointError):
         return
-    for key, value in compressible(1).items():
+    want = {**compressible(1), "w": compressible(2)["w"]}
+    want["ints"][:1000] += 1
+    for key, value in want.items():
         assert torch.equal(got[key].view(torch.uint8), value.view(torch.uint8)), key
 
 

@@ -20,7 +20,8 @@ from .errors import MetadataError, UnsafePathError
 
 FORMAT_NAME = "ckpt_plugins"
 # 1: tables as JSON objects (still read); 2: as columns (format_v2); 3: weights stored as their
-# fp32 masters' cast (`Metadata.casts`); 4: boxes stored compressed, chunk by chunk (`codec`)
+# fp32 masters' cast (`Metadata.casts`); 4: boxes stored compressed, chunk by chunk (`codec`), or as
+# deltas against an earlier checkpoint (`Metadata.delta`)
 FORMAT_VERSION = 4
 METADATA_FILE = "metadata.json"
 DATA_DIR = "data"
@@ -123,13 +124,16 @@ class StoredItem:
     """Where one stored box (or object) lives: file, byte range, and chunk checksums (of the bytes
     as loaded). A compressed box (`group` > 0) holds its chunks one after the other from `offset`
     on, each `packed[k]` bytes: its bytes grouped by position in elements of `group` bytes, as one
-    zstd frame, or the chunk as it is where `packed[k]` is the chunk's own length (`codec`)."""
+    zstd frame, or the chunk as it is where `packed[k]` is the chunk's own length (`codec`). A delta
+    box (`delta`) holds each chunk so as the XOR of its bytes with the same chunk of the same box
+    in the checkpoint `Metadata.delta` names; a chunk of 0 bytes is that chunk unchanged."""
     file: str
     offset: int
     nbytes: int
     crc32c: List[int]
     group: int = 0
     packed: List[int] = field(default_factory=list)
+    delta: bool = False
 
     @property
     def stored_nbytes(self) -> int:
@@ -157,6 +161,16 @@ class ObjectMeta(StoredItem):
 
 
 @dataclass
+class DeltaRef:
+    """The checkpoint a delta checkpoint's delta boxes are XORs against: its path (relative to this
+    one's when both are local), the sha256 of its metadata file, and how many deltas deep this one
+    is (1: its base stores every box itself)."""
+    path: str
+    digest: str
+    depth: int
+
+
+@dataclass
 class Metadata:
     tensors: Mapping[str, TensorMeta]  # a dict when written; decoded, a read-only TensorTable
     objects: Dict[str, List[ObjectMeta]]
@@ -165,6 +179,7 @@ class Metadata:
     # weight key -> its fp32 master's key: the weight (a tensor entry without boxes) is exactly
     # the master cast to the weight's dtype, checked on every rank when saved (`casts`)
     casts: Dict[str, str] = field(default_factory=dict)
+    delta: Optional[DeltaRef] = None
     framework: str = "torch"
     layout: Dict[str, Any] = field(default_factory=dict)
     step: Optional[int] = None

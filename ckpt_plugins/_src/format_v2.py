@@ -23,9 +23,9 @@ from .format import StoredBox, TensorMeta, check_relative_path, dtype_from_name,
 TENSOR_COLUMNS = {"dtype": "<u1", "ndim": "<u1", "shape": "<i8", "boxes": "<i8"}
 BOX_COLUMNS = {"file": "<u4", "offset": "<i8", "nbytes": "<i8", "offsets": "<i8", "lengths": "<i8",
                "crc32c": "<u4"}
-# version 4's compressed boxes: each box's grouping (0: stored plainly), each of a compressed box's
-# chunks' stored bytes
-PACKED_COLUMNS = {"group": "<u1", "packed": "<u4"}
+# version 4's compressed boxes: each box's grouping (0: stored plainly), whether it is a delta, each
+# of a compressed box's chunks' stored bytes
+PACKED_COLUMNS = {"group": "<u1", "delta": "<u1", "packed": "<u4"}
 GROUPS = (1, 2, 4, 8, 16)
 _MAX_ELEMENTS = 1 << 53  # a tensor's elements: float64 products of its dims stay exact below this
 
@@ -49,6 +49,7 @@ def encode_tables(tensors: Dict[str, TensorMeta], files: Dict[str, int]) -> dict
             b["lengths"].extend(box.lengths)
             b["crc32c"].extend(box.crc32c)
             b["group"].append(box.group)
+            b["delta"].append(int(box.delta))
             b["packed"].extend(box.packed)
     return {"files": [[name, size] for name, size in files.items()], "dtypes": list(dtypes),
             "keys": list(tensors), "tensors": _encoded(t, TENSOR_COLUMNS),
@@ -75,6 +76,7 @@ def decode_tables(raw: dict, chunk_bytes: int, version: int) -> Tuple["TensorTab
     b = _decoded(raw.get("boxes"), {**BOX_COLUMNS, **(PACKED_COLUMNS if version >= 4 else {})}, "boxes")
     if version < 4:  # every box stored plainly
         b["group"], b["packed"] = np.zeros(len(b["file"]), dtype=np.int64), np.zeros(0, dtype=np.int64)
+        b["delta"] = b["group"]
     rows = _Rows(t, b, len(keys), len(dtypes), chunk_bytes)
     _check_boxes(rows, b, itemsizes, np.array(list(files.values()) + [0], dtype=np.int64), len(files))
     return TensorTable(keys, dtypes, list(files), rows), files
@@ -156,8 +158,10 @@ class _Rows:
         need(bool((chunks <= len(b["crc32c"])).all()), "boxes.crc32c must hold one checksum per chunk of each box")
         self.crc_start = _starts(chunks)
         need(len(b["crc32c"]) == self.crc_start[-1], "boxes.crc32c must hold one checksum per chunk of each box")
-        need(len(b["group"]) == nboxes, "boxes.group needs one entry per box")
+        need(len(b["group"]) == nboxes and len(b["delta"]) == nboxes, "boxes.group and boxes.delta need one entry per box")
         need(bool(np.isin(b["group"], (0,) + GROUPS).all()), f"boxes.group must be 0 or one of {GROUPS}")
+        need(bool(((b["delta"] == 0) | ((b["delta"] == 1) & (b["group"] > 0))).all()),
+             "boxes.delta must be 0, or 1 for a compressed box")
         self.packed_start = _starts(np.where(b["group"] > 0, chunks, 0))
         need(len(b["packed"]) == self.packed_start[-1],
              "boxes.packed must hold one length per chunk of each compressed box")
@@ -204,12 +208,13 @@ def _check_boxes(rows: _Rows, b: Dict[str, np.ndarray], itemsizes: np.ndarray, s
 
 
 def _packed_sums(rows: _Rows, b: Dict[str, np.ndarray]) -> np.ndarray:
-    """Each compressed box's stored bytes, every chunk's length checked: from 1 byte up to the
-    chunk's own length (stored as it is)."""
+    """Each compressed box's stored bytes, every chunk's length checked: from 1 byte (0 in a delta
+    box: unchanged) up to the chunk's own length (stored as it is)."""
     packed, starts = b["packed"], rows.packed_start
     box = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
     raw = np.minimum(rows.chunk_bytes, b["nbytes"][box] - (np.arange(len(packed)) - starts[box]) * rows.chunk_bytes)
-    need(bool(((packed >= 1) & (packed <= raw)).all()), "a compressed chunk's stored length is out of range")
+    need(bool(((packed >= 1 - b["delta"][box]) & (packed <= raw)).all()),
+         "a compressed chunk's stored length is out of range")
     sums = np.zeros(len(starts) - 1, dtype=np.int64)
     np.add.at(sums, box, packed)
     return sums
@@ -230,7 +235,7 @@ class TensorTable(Mapping):
                                       rows.box_start[:-1], rows.box_start[1:]], axis=1)
         self._box_rows = np.stack([b["file"], b["offset"], b["nbytes"], rows.dim_start[:-1], rows.dim_start[1:],
                                    rows.crc_start[:-1], rows.crc_start[1:], b["group"], rows.packed_start[:-1],
-                                   rows.packed_start[1:]], axis=1)
+                                   rows.packed_start[1:], b["delta"]], axis=1)
         self._packed = b["packed"]
         self._dims = np.stack([b["offsets"], b["lengths"]], axis=1)
         self._built: Dict[str, TensorMeta] = {}
@@ -265,8 +270,8 @@ class TensorTable(Mapping):
         dims = self._dims[d:rows[-1][4]].tolist()
         crcs = self._crcs.values(c, rows[-1][6])
         boxes = [StoredBox(file=self._files[f], offset=offset, nbytes=nbytes, crc32c=crcs[c0 - c:c1 - c],
-                           group=group, packed=self._packed[p0:p1].tolist() if group else [],
+                           group=group, packed=self._packed[p0:p1].tolist() if group else [], delta=bool(delta),
                            offsets=tuple(x[0] for x in dims[d0 - d:d1 - d]),
                            lengths=tuple(x[1] for x in dims[d0 - d:d1 - d]))
-                 for f, offset, nbytes, d0, d1, c0, c1, group, p0, p1 in rows]
+                 for f, offset, nbytes, d0, d1, c0, c1, group, p0, p1, delta in rows]
         return TensorMeta(shape=shape, dtype=self._dtypes[dtype], boxes=boxes)

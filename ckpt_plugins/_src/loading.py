@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from . import shm
+from . import delta, shm
 from .base_ref import BASE, reference, resolve
 from .committed import read_object
 from .coordinator import Coordinator
@@ -98,6 +98,7 @@ class Load:
         recorder, request = self.recorder, LoadRequest(host=shm.host_key(), path=self.storage.identity)
         with recorder.phase("metadata"):
             self.metadata = metadata = self.shared.read()
+            self.base = delta.opened(self.storage, metadata)  # a delta's base, there and unchanged
         t = time.time()
         self.items = items = root_handler(self.state).load_items("", metadata)
         self.targets, steps = items.fragments, len(items.finish)
@@ -177,7 +178,7 @@ class Load:
         if not (assignment.shared and self.shared_memory and any(h is not None and hosts.count(h) > 1 for h in hosts)):
             hosts = None
         work = ReadWork(reads, self.items.fragments, {k: m.dtype for k, m in metadata.tensors.items()},
-                        metadata.chunk_bytes, transfers, hosts)
+                        metadata.chunk_bytes, transfers, hosts, self.base)
         return read_items(self.storage, work, coord, self.storage.read_parallelism(self.read_threads), self.recorder)
 
     def _objects(self, metadata, result: LoadResult) -> None:

@@ -2,7 +2,7 @@
 
 `root/<prefix><step>` per save; `root/latest` names the newest committed step and is updated only
 after a commit (from the commit itself, so a crash at any point leaves it naming a whole
-checkpoint); `keep_last=N` retention; listing of committed steps; cleanup of what crashed saves
+checkpoint); `keep_last=N` retention (never of a step a kept delta checkpoint is built on); listing of committed steps; cleanup of what crashed saves
 left behind, and only that; `root/telemetry.jsonl`, the run's history (one line per save and load:
 stall, commit time, size, throughput, slowest rank and phase), read by `bcp trace ROOT --history`.
 
@@ -13,12 +13,14 @@ replicated to a peer host, and every `persist_every`-th step also to `root`, fro
 from __future__ import annotations
 
 import logging
+import posixpath
 import re
 from typing import Any, Dict, List, Optional
 
 from . import lock
 from .api import checkpointer as default_checkpointer
-from .errors import NotACheckpointError
+from .committed import read_metadata
+from .errors import CheckpointError, NotACheckpointError
 from .format import METADATA_FILE
 from .options import NO_HOOKS, SaveHooks
 from .results import SaveHandle, SaveInfo
@@ -157,10 +159,29 @@ class CheckpointManager:
         if self.keep_last is None:
             return
         steps = self.steps()
-        keep = set(steps[-self.keep_last:]) | {newest} | self._protected
+        keep = self._with_bases(set(steps[-self.keep_last:]) | {newest} | self._protected, steps)
         for step in steps:
             if step not in keep:
                 self.storage.remove(self.name(step))
+
+    def _with_bases(self, keep: set, steps: List[int]) -> set:
+        """`keep` and every step under the root that one of them is a delta against, down the chains."""
+        by_path = {posixpath.normpath(self.path(s)): s for s in steps}
+        todo, keep = list(keep), set(keep)
+        while todo:
+            step = todo.pop()
+            try:
+                ref = read_metadata(self.path(step)).delta
+            except CheckpointError as exc:  # unreadable: nothing to follow (it is kept all the same)
+                log.warning("%s: retention could not read step %s: %s", self.storage, step, exc)
+                continue
+            if ref is None:
+                continue
+            base = by_path.get(posixpath.normpath(posixpath.join(self.path(step), ref.path)))
+            if base is not None and base not in keep:
+                keep.add(base)
+                todo.append(base)
+        return keep
 
     def cleanup(self) -> List[str]:
         """Remove what crashed saves left (step directories that never committed), except those a

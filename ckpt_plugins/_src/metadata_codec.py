@@ -8,11 +8,13 @@ compressed boxes' columns).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict
+from typing import Optional
 
 from . import format_v1, format_v2
 from .errors import MetadataError
-from .format import (CAST_DTYPES, FORMAT_NAME, FORMAT_VERSION, Metadata, ObjectMeta, check_in_file, item_fields, need,
+from .format import (CAST_DTYPES, FORMAT_NAME, DeltaRef, FORMAT_VERSION, Metadata, ObjectMeta, check_in_file, item_fields, need,
                      require_dict, require_int)
 from .gcpause import gc_paused
 
@@ -24,7 +26,8 @@ def encode_metadata(metadata: Metadata) -> bytes:
             "framework": metadata.framework, "layout": metadata.layout, "step": metadata.step,
             "world_size": metadata.world_size, **format_v2.encode_tables(metadata.tensors, metadata.files),
             "objects": {k: [_object_fields(o) for o in objs] for k, objs in metadata.objects.items()},
-            "aliases": metadata.aliases, "casts": metadata.casts}
+            "aliases": metadata.aliases, "casts": metadata.casts,
+            "delta": None if metadata.delta is None else asdict(metadata.delta)}
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -58,12 +61,13 @@ def decode_metadata(data: bytes) -> Metadata:
     for alias, target in aliases.items():
         need(isinstance(target, str) and target in tensors, f"alias {alias} points to missing tensor {target!r}")
     casts = _casts(raw.get("casts", {}) if version >= 3 else {}, tensors)
+    delta = _delta(raw.get("delta") if version >= 4 else None)
     step = raw.get("step")
     need(step is None or type(step) is int, "step must be an integer or null")
     layout = require_dict(raw.get("layout", {}), "layout")
     framework = raw.get("framework")
     need(isinstance(framework, str), "framework must be a string")
-    return Metadata(tensors=tensors, objects=objects, files=files, aliases=aliases, casts=casts,
+    return Metadata(tensors=tensors, objects=objects, files=files, aliases=aliases, casts=casts, delta=delta,
                     framework=framework, layout=layout, step=step,
                     world_size=require_int(raw.get("world_size"), "world_size", 1),
                     version=version, chunk_bytes=chunk_bytes)
@@ -82,10 +86,22 @@ def _casts(raw, tensors) -> dict:
     return raw
 
 
+def _delta(raw) -> Optional[DeltaRef]:
+    """The base of a delta checkpoint (its boxes' `delta` flags are checked where they are used:
+    a delta box in a checkpoint without a base cannot be read)."""
+    if raw is None:
+        return None
+    raw = require_dict(raw, "delta")
+    need(isinstance(raw.get("path"), str) and raw["path"] != "", "delta.path must be a path")
+    need(isinstance(raw.get("digest"), str) and re.fullmatch(r"[0-9a-f]{64}", raw["digest"]) is not None,
+         "delta.digest must be a sha256 hex digest")
+    return DeltaRef(raw["path"], raw["digest"], require_int(raw.get("depth"), "delta.depth", 1))
+
+
 def _object_fields(meta: ObjectMeta) -> dict:
     """An object's entry: objects are stored plainly (no `group` or `packed`)."""
     fields = asdict(meta)
-    del fields["group"], fields["packed"]
+    del fields["group"], fields["packed"], fields["delta"]
     return fields
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from . import delta
 from .commit import Commit
 from .committed import check_files, read_metadata
 from .engine.exchange import ReadWork, read_items
@@ -157,7 +158,7 @@ def read_box(storage: Storage, metadata: Metadata, key: str, offsets: Sequence[i
                                             cast=True)], finish)
     plan = plan_load(metadata, specs_of(frags))
     read_items(storage, ReadWork(plan.reads, frags, {k: m.dtype for k, m in metadata.tensors.items()},
-                                 metadata.chunk_bytes), threads=threads)
+                                 metadata.chunk_bytes, base=delta.opened(storage, metadata)), threads=threads)
     for step in finish:
         step()
     return out

@@ -31,13 +31,18 @@ class SaveOptions:
     stays loadable until the new one commits). `base`: a committed checkpoint this state was built
     on (a PEFT run's frozen base): frozen parameters it holds alike are left to it (`base_ref`).
     `compress`: store each tensor compressed, chunk by chunk, where that pays (`codec`; the writers
-    compress, never the snapshot)."""
+    compress, never the snapshot). `delta_from`: an earlier committed checkpoint; every box it holds
+    alike is stored as the XOR of each chunk with the same chunk there, compressed, a chunk that did
+    not change not at all, unless that would make a chain of more than `max_chain` deltas
+    (`delta`)."""
     framework: str = "torch"
     layout: Dict[str, Any] = field(default_factory=dict)
     step: Optional[int] = None
     overwrite: bool = False
     base: Any = None
     compress: bool = False
+    delta_from: Any = None
+    max_chain: int = 4
 
     @property
     def recorded(self) -> Dict[str, Any]:

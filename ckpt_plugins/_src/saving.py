@@ -19,7 +19,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
-from . import codec
+from . import codec, delta
 from .base_ref import leave_to_base
 from .casts import masters_cast_exactly
 from .commit import Commit, generation_file
@@ -27,7 +27,7 @@ from .coordinator import Coordinator
 from .engine.write import StagedWrite, StageItem, Written
 from .errors import CheckpointError, SaveError
 from .failure import RankFailure, collect, failure_error
-from .format import DATA_DIR, Metadata, ObjectMeta
+from .format import DATA_DIR, DeltaRef, Metadata, ObjectMeta
 from .fragment import Fragment, sub_view
 from .objects import Encoded, encode_object
 from .options import SaveHooks, SaveOptions
@@ -97,13 +97,20 @@ class Contents:
         return ([SavedObject(k, self.replicated[k], None) for k in replicated] +
                 [SavedObject(k, e, self.rank) for k, e in self.per_rank.items()])
 
-    def staged(self, storage: Optional[Storage], cached: CachedPlan, compress: bool = False) -> "Staged":
-        """What this rank writes, as views of the live fragments and the encoded objects."""
+    def staged(self, storage: Optional[Storage], cached: CachedPlan, compress: bool = False,
+               base: Optional[delta.Base] = None) -> "Staged":
+        """What this rank writes, as views of the live fragments and the encoded objects; with a
+        delta's `base`, each box it holds alike as a delta against it."""
         frags, objects = self.fragments, self.objects(cached.objects)
         placed, _ = place([len(o.encoded.data) for o in objects], [f"{DATA_DIR}/r{self.rank}-objects.bin"])
-        job = StagedWrite(storage,
-                          [StageItem(w.file, w.offset, sub_view(frags[w.index].local, frags[w.index].offsets, w.box))
-                           for w in cached.writes] +
+
+        def item(w) -> StageItem:
+            frag = frags[w.index]
+            view = sub_view(frag.local, frag.offsets, w.box)
+            found = None if base is None else base.box(frag.key, *w.box, view.numel() * view.element_size())
+            return StageItem(w.file, w.offset, view, None if found is None else functools.partial(base.chunk, frag.key, found))
+
+        job = StagedWrite(storage, [item(w) for w in cached.writes] +
                           [StageItem(at.file, at.offset, o.encoded.data) for o, at in zip(objects, placed)],
                           compress=compress)
         return Staged(job, objects, placed)
@@ -132,6 +139,8 @@ class Save:
         self.cached: Optional[CachedPlan] = None
         self._copied_early = False
         self.generation = 0  # the coordinator's choice of file names, agreed with the plan
+        self.base: Optional[delta.Base] = None  # a delta save's base, and what the metadata records of it
+        self.delta: Optional[DeltaRef] = None
         self._copy_over = threading.Event()  # the snapshot has stopped using the slot
         self.recorder = Recorder("save", backend_of(storage), coord.rank, enabled=telemetry)
         self.recorder.record.info.update(mode=mode, path=str(storage), step=options.step)
@@ -148,8 +157,10 @@ class Save:
         failure = None
         try:  # a failure is passed on by the plan's agreement: every rank must learn of it
             self.contents = Contents.of(self.state, self.options.base, self.storage, coord.rank)
-            if self.options.compress:
+            if self.options.compress or self.options.delta_from is not None:
                 codec.zstd()  # missing, it fails the save here, every rank told, before any write
+            if self.options.delta_from is not None:
+                self.base, self.delta = delta.start(self.storage, self.options.delta_from, self.options.max_chain)
             if coord.is_coordinator:
                 with self.recorder.phase("lock"):
                     self.commit = Commit.open(self.storage, self.options.overwrite)
@@ -162,7 +173,7 @@ class Save:
         info, coord, contents = self.handle.info, self.coord, self.contents
 
         def early(cached: CachedPlan) -> None:
-            self.staged = contents.staged(self.storage, cached, self.options.compress)
+            self.staged = contents.staged(self.storage, cached, self.options.compress, self.base)
             self.job = self.staged.job
             if self.pool.fits(self.job.nbytes):  # a save streaming through the pool copies beside its writes
                 self._copy()
@@ -183,7 +194,7 @@ class Save:
         self._copied_early = self.slot is not None and info.plan_cached
         if not self._copied_early:
             self._release_slot()  # copied for a plan another rank's change made stale: copy again
-            self.staged = contents.staged(self.storage, self.cached, self.options.compress)
+            self.staged = contents.staged(self.storage, self.cached, self.options.compress, self.base)
             self.job = self.staged.job
         self.job.stored_as = functools.partial(generation_file, generation=self.generation)
         info.rank_bytes, info.balance = sum(item.nbytes for item in self.job.items), self.cached.balance
@@ -298,16 +309,19 @@ class Save:
             # Commits run one at a time on one thread, so the cached plan's entries can take this
             # save's checksums (and a compressed one's places) in place; objects and file sizes are
             # this save's own.
-            objects, files = {}, dict(plan.metadata.files)
+            objects, files, deltas = {}, dict(plan.metadata.files), False
             for rank, report in enumerate(reports):
                 for entry, out in zip(plan.stored[rank], report.written):
                     entry.offset, entry.crc32c, entry.group, entry.packed = out.offset, out.crc32c, out.group, out.packed
+                    entry.delta = out.delta
+                    deltas = deltas or out.delta
                 for key, entry in report.objects.items():
                     objects.setdefault(key, []).append(entry)
                 files.update(report.sizes)
             metadata = Metadata(tensors=plan.metadata.tensors, objects=dict(sorted(objects.items())),
                                 files=dict(sorted(files.items())), aliases=plan.metadata.aliases,
                                 casts=plan.metadata.casts, world_size=plan.metadata.world_size,
+                                delta=self.delta if deltas else None,
                                 chunk_bytes=plan.metadata.chunk_bytes,
                                 **self.options.recorded)
             with self.recorder.phase("metadata_write"):

@@ -19,7 +19,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -44,13 +44,14 @@ class ReadWork:
     """What one rank's load reads and where it goes: `reads` (its own, then those it reads only
     to pass on), `transfers` (the shared ones among them, and those it needs from other ranks, by
     position in `reads`), its destination fragments, each stored key's dtype, the checksum chunk
-    size, and every rank's host (None: no shared memory)."""
+    size, every rank's host (None: no shared memory), and a delta checkpoint's base (`delta.Base`)."""
     reads: Sequence[ReadItem]
     targets: Sequence[Fragment]
     dtypes: Dict[str, str]
     chunk: int
     transfers: Dict[int, Transfer] = field(default_factory=dict)
     hosts: Optional[Sequence[Optional[str]]] = None
+    base: Any = None
 
 
 def read_items(storage: Storage, work: ReadWork, coord=None, threads: int = 2,
@@ -249,7 +250,8 @@ class ReadExchange:
             if not self.failures:  # after a failure, only the promised sends still go out
                 stored = job.read.stored
                 read_checked(self.storage, job.read.key, stored, start, end, self.work.chunk,
-                             buffer=job.data[start - job.start:end - job.start], recorder=self.recorder)
+                             buffer=job.data[start - job.start:end - job.start], recorder=self.recorder,
+                             base=self.work.base)
                 return end - start
             job.failed = True
             return 0

@@ -6,6 +6,7 @@ import math
 import time
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
@@ -18,13 +19,14 @@ from ..telemetry import Recorder
 
 
 def read_checked(storage: Storage, key: str, item: StoredItem, start: int, end: int, chunk: int, buffer=None,
-                 recorder: Optional[Recorder] = None) -> bytearray:
+                 recorder: Optional[Recorder] = None, base=None) -> bytearray:
     """Bytes [start, end) of a stored item, verified against its chunk checksums (a foreign
     checkpoint's items have none: `crc32c` empty); a compressed item's chunks are decompressed,
-    only those the range touches."""
+    only those the range touches, and a delta item's applied to the same chunks of `base` (the
+    checkpoint's `delta.Base`)."""
     buffer = bytearray(end - start) if buffer is None else buffer
     if item.group:
-        return _read_packed(storage, key, item, start, end, chunk, buffer, recorder)
+        return _read_packed(storage, key, item, start, end, chunk, buffer, recorder, base)
     t0 = time.time()
     storage.read_into(item.file, item.offset + start, buffer)
     t1 = time.time()
@@ -46,10 +48,11 @@ def _check(key: str, item: StoredItem, start: int, end: int, sums, chunk: int) -
 
 
 def _read_packed(storage: Storage, key: str, item: StoredItem, start: int, end: int, chunk: int, buffer,
-                 recorder: Optional[Recorder]) -> bytearray:
+                 recorder: Optional[Recorder], base) -> bytearray:
     """`read_checked` of a compressed item: its chunks over [start, end) read as one range, then
-    each decompressed, checked and copied out."""
+    each decompressed (a delta's applied to its base's chunk), checked and copied out."""
     first, last = start // chunk, -(-end // chunk)
+    based = _base_box(key, item, base) if item.delta else None
     at = item.offset + sum(item.packed[:first])
     frames = bytearray(sum(item.packed[first:last]))
     t0 = time.time()
@@ -57,9 +60,11 @@ def _read_packed(storage: Storage, key: str, item: StoredItem, start: int, end: 
     t1 = time.time()
     out, pos, where = memoryview(buffer).cast("B"), 0, f"{key} (file {item.file})"
     for k in range(first, last):
-        n = item.packed[k]
-        data = unpack(memoryview(frames)[pos:pos + n], min(chunk, item.nbytes - k * chunk), item.group, where)
+        n, size = item.packed[k], min(chunk, item.nbytes - k * chunk)
+        data = unpack(memoryview(frames)[pos:pos + n], size, item.group, where) if n else None
         pos += n
+        if based is not None:
+            data = xor(base.chunk(key, based, k), data)
         if item.crc32c:
             _check(key, item, k * chunk, k * chunk + len(data), [crc32c_of(data)], chunk)
         lo, hi = max(start, k * chunk), min(end, k * chunk + len(data))
@@ -68,6 +73,23 @@ def _read_packed(storage: Storage, key: str, item: StoredItem, start: int, end: 
         recorder.add("read", t0, t1, len(frames))
         recorder.add("decompress", t1, time.time(), end - start)
     return buffer
+
+
+def _base_box(key: str, item: StoredItem, base) -> StoredItem:
+    found = None if base is None else base.box(key, item.offsets, item.lengths, item.nbytes)
+    if found is None:
+        raise CorruptCheckpointError(f"{key} (file {item.file}) is stored as a delta against a box its base "
+                                     f"checkpoint {'does not name' if base is None else 'lacks'}; the checkpoint "
+                                     "is corrupt")
+    return found
+
+
+def xor(data, delta) -> memoryview:
+    """`data` with `delta` (bytes of the same length) XORed in; `data` as it is for no delta."""
+    if delta is None:
+        return memoryview(data).cast("B")
+    a = np.frombuffer(data, dtype=np.uint8)
+    return memoryview(np.bitwise_xor(a, np.frombuffer(delta, dtype=np.uint8))).cast("B")
 
 
 def region_view(data, dtype: torch.dtype, first: int, stored_lengths: Sequence[int], stored_offsets: Sequence[int],

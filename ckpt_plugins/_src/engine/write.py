@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from ..codec import Packer
@@ -36,6 +37,7 @@ class StageItem:
     file: str
     offset: int
     source: Union[torch.Tensor, bytes]  # a fragment's live view, or an encoded object
+    base: Optional[Callable[[int], bytes]] = None  # a delta's: chunk k of the same box in its base
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +57,7 @@ class Written:
     crc32c: List[int]
     group: int = 0
     packed: List[int] = field(default_factory=list)
+    delta: bool = False
 
 
 @dataclass
@@ -213,7 +216,8 @@ class StagedWrite:
         writer = self.storage.open_writer(self.stored_as(name))
         try:
             sums = _FileSums(self.items, name, self.chunk)
-            packed = _PackedFile(self.items, name, writer, self.chunk) if self.compress else None
+            packed = (_PackedFile(self.items, name, writer, self.chunk, self.compress)
+                      if self.compress or any(item.base is not None for item in self.items) else None)
             pos = 0
             while pos < size:
                 with self._cond:
@@ -295,13 +299,16 @@ class _FileSums:
 
 class _PackedFile:
     """One file's items compressed chunk by chunk as the file's bytes arrive in order, the chunks
-    written one after the other (the plan's alignment gaps left out). A tensor whose first chunk
-    does not pay is stored as it is, as are objects."""
+    written one after the other (the plan's alignment gaps left out). A delta item's chunks are
+    XORed with its base's first, and one that did not change is not written. With `compress`, a
+    tensor whose first chunk does not pay is stored as it is; without, every item but the deltas;
+    objects always."""
 
-    def __init__(self, items: Sequence[StageItem], name: str, writer, chunk: int):
+    def __init__(self, items: Sequence[StageItem], name: str, writer, chunk: int, compress: bool):
         self.order = deque(sorted((i for i, it in enumerate(items) if it.file == name), key=lambda i: items[i].offset))
         self.items, self.writer, self.chunk = items, writer, chunk
-        self.placed = {i: Written(0, [], items[i].group) for i in self.order}
+        self.placed = {i: Written(0, [], items[i].group if compress or items[i].base else 0,
+                                  delta=items[i].base is not None) for i in self.order}
         self.partial: Dict[int, bytearray] = {}
         self.begun: set = set()
         self.packer: Optional[Packer] = None
@@ -336,24 +343,29 @@ class _PackedFile:
             length = min(self.chunk, nbytes - start)
             n = min(len(view), start + length - at)
             if at == start and n == length:
-                self._chunk(out, view[:n])
+                self._chunk(index, out, view[:n])
             else:
                 gathered = self.partial.setdefault(index, bytearray())
                 gathered += view[:n]
                 if len(gathered) == length:
-                    self._chunk(out, self.partial.pop(index))
+                    self._chunk(index, out, self.partial.pop(index))
             view, at = view[n:], at + n
 
-    def _chunk(self, out: Written, data) -> None:
-        frame = None
-        if out.group:
-            t = time.time()
-            self.packer = self.packer or Packer()
-            frame = self.packer.pack(data, out.group)
-            self.busy += time.time() - t
-            if frame is None and not out.packed:
-                out.group = 0  # the first chunk did not pay: none of this tensor is compressed
+    def _chunk(self, index: int, out: Written, data) -> None:
+        t, frame = time.time(), None
         self.raw += len(data)
+        if out.delta:
+            data = np.bitwise_xor(np.frombuffer(data, dtype=np.uint8),
+                                  np.frombuffer(self.items[index].base(len(out.packed)), dtype=np.uint8))
+            if not data.any():  # unchanged: nothing stored
+                out.packed.append(0)
+                self.busy += time.time() - t
+                return
+        self.packer = self.packer or Packer()
+        frame = self.packer.pack(data, out.group)
+        self.busy += time.time() - t
+        if frame is None and not out.packed and not out.delta:
+            out.group = 0  # the first chunk did not pay: none of this tensor is compressed
         self._put(out, data, frame)
 
     def _put(self, out: Written, data, frame: Optional[bytes]) -> None:
@@ -367,8 +379,9 @@ class _PackedFile:
         """Each item's place and chunks; the file's size."""
         for index, out in self.placed.items():
             if not out.packed:  # stored as it is (or empty)
-                out.group = 0
+                out.group, out.delta = 0, False
             written[index].offset, written[index].group, written[index].packed = out.offset, out.group, out.packed
+            written[index].delta = out.delta
         return self.pos
 
 
