@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from ..codec import Packer
+from ..codec import Packer, head_bytes
 from ..format import CHUNK_BYTES, ChunkSums
 from .. import hostmem
 from ..storage import Storage
@@ -48,6 +48,11 @@ class StageItem:
     def group(self) -> int:
         """The bytes of one element, by which compression groups them; 0: never compressed (objects)."""
         return self.source.element_size() if isinstance(self.source, torch.Tensor) else 0
+
+    @property
+    def head(self) -> int:
+        """How many bytes of each element to compress: all of a delta's (unchanged ones are zeros)."""
+        return self.group if self.base is not None else head_bytes(self.source.dtype.is_floating_point, self.group)
 
 
 @dataclass
@@ -362,7 +367,7 @@ class _PackedFile:
                 self.busy += time.time() - t
                 return
         self.packer = self.packer or Packer()
-        frame = self.packer.pack(data, out.group)
+        frame = self.packer.pack(data, out.group, self.items[index].head)
         self.busy += time.time() - t
         if frame is None and not out.packed and not out.delta:
             out.group = 0  # the first chunk did not pay: none of this tensor is compressed
