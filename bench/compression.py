@@ -15,10 +15,10 @@ out as another's cast) with each method:
   timed with it, since it reorders its input in place), the results written to one file with
   fsync, read back and decompressed.
 
-Then ours as deltas: a compressed save, and one delta per optimizer step against the one before
-over `--delta-steps` steps at an RL post-training learning rate (`--delta-lr`): the share of bf16
-weights that changed, the bytes each group's delta takes, and the load of the last delta, the
-whole chain deep.
+Then ours as deltas: a compressed save, and one delta per optimizer step over `--delta-steps`
+steps at an RL post-training learning rate (`--delta-lr`), each against the save before (a chain)
+and then each against the first (one deep): the share of bf16 weights that changed, the bytes each
+group's delta takes, each commit, and the load of the last delta.
 
 Per method: bytes stored (per group and in all), the stall (how long the save call blocks; DCP's
 and zipnn's saves are synchronous: all of it), the time to a durable checkpoint, the load (page
@@ -213,9 +213,11 @@ def measure(method: Method, state, root: str, reps: int) -> dict:
             "load": statistics.median(loads), "groups": groups, "bytes": total}
 
 
-def deltas(run: Run, root: str, steps: int, lr: float) -> None:
-    """Ours as deltas: a compressed save, then one delta per optimizer step against the one before,
-    at an RL post-training learning rate; the last (a chain of `steps`) loaded bit for bit."""
+def deltas(run: Run, root: str, steps: int, lr: float, against: str) -> None:
+    """Ours as deltas: a compressed save, then one delta per optimizer step, at an RL post-training
+    learning rate, against the one before (`against` "previous": a chain, each read going down it)
+    or against the first ("first": every delta one deep, each holding every change since); the
+    last loaded bit for bit."""
     for group in run.opt.param_groups:
         group["lr"] = lr
     ckpt, state = cp.Checkpointer(), run.state()
@@ -223,7 +225,8 @@ def deltas(run: Run, root: str, steps: int, lr: float) -> None:
     ckpt.save(first, state, compress=True)
     sizes = Ours(state, True).group_bytes(first)
     raw = {g: sum(v.numel() * v.element_size() for v in t.values()) for g, t in state.items()}
-    print(f"\nours as deltas over {steps} optimizer steps at lr {lr:g} (MB; x: the group's plain bytes / stored)")
+    print(f"\nours as deltas over {steps} optimizer steps at lr {lr:g}, each against the {against} save "
+          "(MB; x: the group's plain bytes / stored)")
     print(f"{'step':<6}{'bf16 changed':>14}" + "".join(f"{g:>22}" for g in GROUPS) + f"{'commit s':>10}")
     print(f"{'full':<6}{'':>14}" + "".join(f"{sizes[g] / 1e6:>15.2f} {raw[g] / sizes[g]:>5.2f}x" for g in GROUPS))
     ratios = []
@@ -235,7 +238,8 @@ def deltas(run: Run, root: str, steps: int, lr: float) -> None:
                       zip(before.values(), state["weights_bf16"].values())) / sum(v.numel() for v in before.values())
         path = os.path.join(root, f"delta-{step}")
         t = time.perf_counter()
-        ckpt.save(path, state, delta_from=os.path.join(root, f"delta-{step - 1}"), max_chain=steps)
+        ckpt.save(path, state, delta_from=os.path.join(root, f"delta-{step - 1 if against == 'previous' else 0}"),
+                  max_chain=steps)
         commit = time.perf_counter() - t
         sizes = Ours(state, True).group_bytes(path)
         ratios.append(raw["weights_bf16"] / max(1, sizes["weights_bf16"]))
@@ -244,7 +248,10 @@ def deltas(run: Run, root: str, steps: int, lr: float) -> None:
     drop_cache(root)
     t = time.perf_counter()
     got = Ours(state, True).load(path)
-    print(f"the last, {steps} deltas deep, loads in {time.perf_counter() - t:.3f} s (page cache dropped), bit for bit: "
+    seconds, depth = time.perf_counter() - t, cp.read_metadata(path).delta.depth
+    for step in range(steps + 1):
+        shutil.rmtree(os.path.join(root, f"delta-{step}"))
+    print(f"the last, {depth} delta(s) deep, loads in {seconds:.3f} s (page cache dropped), bit for bit: "
           f"{same(got, state)}; bf16 weights: a full plain save / a delta = {statistics.median(ratios):.1f}x (median)")
 
 
@@ -294,7 +301,8 @@ def main(argv: List[str]) -> None:
             print(f"{method.name}: {rows[method.name]['bytes'] / 1e6:.1f} MB, commit {rows[method.name]['commit']:.3f} s",
                   flush=True)
         report(rows, raw, limit)
-        deltas(run, root, args.delta_steps, args.delta_lr)
+        for against in ("previous", "first"):
+            deltas(run, root, args.delta_steps, args.delta_lr, against)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
