@@ -147,9 +147,18 @@ def reshard_worker(rank, world, path):
         boxes = [b for t in meta.tensors.values() for b in t.boxes]
         assert len(boxes) == 6 and all(b.group for b in boxes)
         assert sum(out) == sum(b.nbytes for b in boxes)  # each stored byte read once
+    # a delta of the rows, on two ranks too, loaded as columns
+    with torch.no_grad():
+        state["fp32"].to_local()[5:8].mul_(1.5)
+    cp.save(path + "-delta", {"t": state}, delta_from=path)
+    got = {k: distribute_tensor(torch.zeros_like(want[k]), mesh, [Shard(1)]) for k in state}
+    cp.load(path + "-delta", {"t": got})
+    for key, value in got.items():
+        assert torch.equal(raw(value.full_tensor()), raw(state[key].full_tensor())), key
+    assert all(b.delta for t in cp.read_metadata(path + "-delta").tensors.values() for b in t.boxes)
 
 
-def test_rows_saved_compressed_on_two_ranks_load_as_columns_reading_each_byte_once(tmp_path):
+def test_rows_saved_compressed_and_as_deltas_on_two_ranks_load_as_columns_reading_each_byte_once(tmp_path):
     run_ranks(2, reshard_worker, str(tmp_path / "ckpt"))
     got = {k: torch.zeros_like(v) for k, v in tensors().items() if k in ("bf16", "fp32", "int32")}
     cp.load(tmp_path / "ckpt", {"t": got})  # and whole, on one process

@@ -205,6 +205,11 @@ def _check_boxes(rows: _Rows, b: Dict[str, np.ndarray], itemsizes: np.ndarray, s
     size = sizes[np.minimum(b["file"], nfiles)]
     need(bool(((b["offset"] >= 0) & (b["offset"] <= size) & (stored <= size - b["offset"])).all()),
          "a box extends past the end of its file")
+    # loads key the read-once exchange by where a box starts: two boxes there would cross its wires
+    need(float(sizes[:nfiles].astype(np.float64).sum()) + nfiles < 2.0 ** 62, "files are too large")
+    file_start = _starts(sizes[:nfiles] + 1)
+    place = np.sort(file_start[b["file"]] + b["offset"])
+    need(not bool((place[1:] == place[:-1]).any()), "two boxes start at the same place of one file")
 
 
 def _packed_sums(rows: _Rows, b: Dict[str, np.ndarray]) -> np.ndarray:

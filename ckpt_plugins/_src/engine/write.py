@@ -316,6 +316,7 @@ class _PackedFile:
                                   delta=items[i].base is not None) for i in self.order}
         self.partial: Dict[int, bytearray] = {}
         self.begun: set = set()
+        self.started = 0  # where the last item begun starts
         self.packer: Optional[Packer] = None
         self.pos = self.raw = 0
         self.busy = 0.0
@@ -338,8 +339,11 @@ class _PackedFile:
         one gather first."""
         nbytes, out = self.items[index].nbytes, self.placed[index]
         if index not in self.begun:
+            if self.begun and self.pos == self.started:  # the one before stored nothing (a delta of
+                self.writer.write(b"\0")                # no change): a gap byte keeps every item's
+                self.pos += 1                            # offset its own, as loads key reads by it
             self.begun.add(index)
-            out.offset = self.pos
+            out.offset = self.started = self.pos
         while view:
             if not out.group:  # an object, or a tensor whose first chunk did not pay: as it is
                 self._put(out, view, None)
