@@ -9,4 +9,6 @@ cd "$(dirname "$0")/.."
 # and the peer passes its self-test with the newer one.
 .venv/bin/pip install -q -c constraints.txt grpcio==1.69.0 "safetensors<=1.0.0" \
     "universal-pathlib>=0.2.2,<=1.0.0" "cachetools>=5.4.0,<=10.0.0" "mmh3>=4.1.0,<=4.2.0"
+# bench/compression.py compares with zipnn (a C extension, built here)
+.venv/bin/pip install -q -c constraints.txt zipnn==0.5.4
 .venv/bin/python bench/peers/bytecheckpoint_peer.py  # self-test: 2 ranks, bit-exact round trips
