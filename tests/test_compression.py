@@ -252,6 +252,9 @@ def test_a_missing_or_changed_base_is_refused_naming_it(tmp_path):
         cp.load(tmp_path / "s2", got)
     out = subprocess.run([BCP, "verify", tmp_path / "s2"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "has changed since" in out.stderr
+    with pytest.raises(cp.SaveError, match="delta_from names the checkpoint being saved"):
+        cp.save(tmp_path / "s2", {"t": state}, delta_from=tmp_path / "s2", overwrite=True)
+    assert cp.read_metadata(tmp_path / "s2").delta.path == "../s1"  # still the one committed
 
 
 def test_retention_keeps_the_bases_a_kept_delta_needs(tmp_path):

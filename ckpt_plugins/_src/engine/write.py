@@ -277,49 +277,13 @@ class StagedWrite:
             self._cond.notify_all()
 
 
-class _FileSums:
-    """The chunk checksums of one file's items, fed the file's bytes in order as they are written."""
+class _FileItems:
+    """A file's bytes, fed in order as they are written, handed to the items they belong to:
+    `_take(index, view, at)` gets bytes [at, at + len(view)) of item `index`."""
 
-    def __init__(self, items: Sequence[StageItem], name: str, chunk: int):
+    def __init__(self, items: Sequence[StageItem], name: str):
         self.order = deque(sorted((i for i, it in enumerate(items) if it.file == name), key=lambda i: items[i].offset))
-        self.items, self.sums = items, {i: ChunkSums(chunk) for i in self.order}
-
-    def feed(self, pos: int, data: memoryview) -> None:
-        """Bytes [pos, pos + len(data)) of the file."""
-        end = pos + len(data)
-        for index in self.order:
-            item = self.items[index]
-            if item.offset >= end:
-                break
-            start, stop = max(pos, item.offset), min(end, item.offset + item.nbytes)
-            if start < stop:
-                self.sums[index].feed(data[start - pos:stop - pos])
-        while self.order and self.items[self.order[0]].offset + self.items[self.order[0]].nbytes <= end:
-            self.order.popleft()
-
-    def into(self, written: List[Written]) -> None:
-        for index, sums in self.sums.items():
-            written[index].crc32c = sums.result()
-
-
-class _PackedFile:
-    """One file's items compressed chunk by chunk as the file's bytes arrive in order, the chunks
-    written one after the other (the plan's alignment gaps left out). A delta item's chunks are
-    XORed with its base's first, and one that did not change is not written. With `compress`, a
-    tensor whose first chunk does not pay is stored as it is; without, every item but the deltas;
-    objects always."""
-
-    def __init__(self, items: Sequence[StageItem], name: str, writer, chunk: int, compress: bool):
-        self.order = deque(sorted((i for i, it in enumerate(items) if it.file == name), key=lambda i: items[i].offset))
-        self.items, self.writer, self.chunk = items, writer, chunk
-        self.placed = {i: Written(0, [], items[i].group if compress or items[i].base else 0,
-                                  delta=items[i].base is not None) for i in self.order}
-        self.partial: Dict[int, bytearray] = {}
-        self.begun: set = set()
-        self.started = 0  # where the last item begun starts
-        self.packer: Optional[Packer] = None
-        self.pos = self.raw = 0
-        self.busy = 0.0
+        self.items, self.indices = items, list(self.order)
 
     def feed(self, pos: int, data: memoryview) -> None:
         """Bytes [pos, pos + len(data)) of the file as planned."""
@@ -333,6 +297,43 @@ class _PackedFile:
                 self._take(index, data[start - pos:stop - pos], start - item.offset)
         while self.order and self.items[self.order[0]].offset + self.items[self.order[0]].nbytes <= end:
             self.order.popleft()
+
+    def _take(self, index: int, view: memoryview, at: int) -> None:
+        raise NotImplementedError
+
+
+class _FileSums(_FileItems):
+    """The chunk checksums of one file's items."""
+
+    def __init__(self, items: Sequence[StageItem], name: str, chunk: int):
+        super().__init__(items, name)
+        self.sums = {i: ChunkSums(chunk) for i in self.indices}
+
+    def _take(self, index: int, view: memoryview, at: int) -> None:
+        self.sums[index].feed(view)
+
+    def into(self, written: List[Written]) -> None:
+        for index, sums in self.sums.items():
+            written[index].crc32c = sums.result()
+
+
+class _PackedFile(_FileItems):
+    """One file's items compressed chunk by chunk, the chunks written one after the other (the
+    plan's alignment gaps left out). A delta item's chunks are XORed with its base's first, and one
+    that did not change is not written. With `compress`, a tensor whose first chunk does not pay is
+    stored as it is; without, every item but the deltas; objects always."""
+
+    def __init__(self, items: Sequence[StageItem], name: str, writer, chunk: int, compress: bool):
+        super().__init__(items, name)
+        self.writer, self.chunk = writer, chunk
+        self.placed = {i: Written(0, [], items[i].group if compress or items[i].base else 0,
+                                  delta=items[i].base is not None) for i in self.indices}
+        self.partial: Dict[int, bytearray] = {}
+        self.begun: set = set()
+        self.started = 0  # where the last item begun starts
+        self.packer: Optional[Packer] = None
+        self.pos = self.raw = 0
+        self.busy = 0.0
 
     def _take(self, index: int, view: memoryview, at: int) -> None:
         """Bytes [at, at + len(view)) of item `index`: whole chunks go out from the view, parts of
