@@ -24,7 +24,7 @@ import torch
 from ..codec import Packer, head_bytes
 from ..format import CHUNK_BYTES, ChunkSums
 from .. import hostmem
-from ..storage import Storage
+from ..storage import AlignedStream, Storage
 from ..telemetry import Recorder
 from .window import Window, Windows, plan_windows
 
@@ -221,7 +221,8 @@ class StagedWrite:
         writer = self.storage.open_writer(self.stored_as(name))
         try:
             sums = _FileSums(self.items, name, self.chunk)
-            packed = (_PackedFile(self.items, name, writer, self.chunk, self.compress)
+            # compressed chunks of any size go out through page-aligned pieces: O_DIRECT, as plain ones
+            packed = (_PackedFile(self.items, name, AlignedStream(writer, PIECE), self.chunk, self.compress)
                       if self.compress or any(item.base is not None for item in self.items) else None)
             pos = 0
             while pos < size:
@@ -250,7 +251,7 @@ class StagedWrite:
                 if pos == end:
                     self._written(k)
             t = time.time()
-            writer.close()  # fsync: part of the write
+            (writer if packed is None else packed.writer).close()  # fsync: part of the write
             busy += time.time() - t
             sums.into(result.items)
             if packed is not None:
