@@ -112,7 +112,6 @@ def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, room, c
     pays, and each item reads back from where they say it went."""
     from ckpt_plugins._src.engine import write as engine
     from ckpt_plugins._src.engine.read import read_checked
-    from ckpt_plugins._src.format import StoredItem
     from ckpt_plugins._src.staging import StagingPool
     monkeypatch.setattr(engine, "COPY_PIECE", 4096)  # many pieces per tensor, finishing out of order
     run = engine._Piece.run
@@ -142,8 +141,7 @@ def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, room, c
     writer.join()
     result, = results
     for item, src, out in zip(items, sources, result.items):
-        stored = StoredItem(item.file, out.offset, item.nbytes, out.crc32c, out.group, out.packed)
-        data = bytes(read_checked(storage, "item", stored, 0, item.nbytes, 1024))
+        data = bytes(read_checked(storage, "item", out, 0, item.nbytes, 1024))
         expected = src if isinstance(src, bytes) else src.contiguous().view(torch.uint8).numpy().tobytes()
         assert data == expected
         if not isinstance(src, torch.Tensor) or src.dtype in (torch.int16, torch.uint8) or not item.nbytes:

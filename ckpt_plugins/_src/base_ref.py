@@ -48,6 +48,13 @@ def _local(storage: Storage) -> Optional[str]:
     return str(storage.root) if isinstance(storage, LocalStorage) else None
 
 
+def relative(storage: Storage, base_storage: Storage, given) -> str:
+    """Where a checkpoint in `storage` records its base (`given` as the caller named it): relative
+    to it when both are local, so that they move together; else as given."""
+    here, there = _local(storage), _local(base_storage)
+    return os.path.relpath(there, here) if here and there else str(given)
+
+
 def leave_to_base(items: SaveItems, base, storage: Storage) -> None:
     """Drop from `items` the frozen tensors `base` holds alike (same shape and dtype), and add the
     reference. Raises if `base` is not a committed checkpoint."""
@@ -63,9 +70,7 @@ def leave_to_base(items: SaveItems, base, storage: Storage) -> None:
             kept.append(frag)
     items.fragments = kept
     items.aliases = {k: v for k, v in items.aliases.items() if v not in left}
-    here, there = _local(storage), _local(base_storage)
-    path = os.path.relpath(there, here) if here and there else str(base)
-    items.objects[BASE] = asdict(BaseRef(path, digest(base_storage), sorted(left)))
+    items.objects[BASE] = asdict(BaseRef(relative(storage, base_storage, base), digest(base_storage), sorted(left)))
 
 
 def resolve(storage: Storage, ref: BaseRef) -> Storage:

@@ -91,6 +91,12 @@ def head_bytes(dtype_is_float: bool, group: int) -> int:
     return 1 if dtype_is_float and group > 1 else group
 
 
+def xor(data, delta) -> np.ndarray:
+    """`data` with `delta` (bytes of the same length) XORed in; `data` as it is for no delta."""
+    a = np.frombuffer(data, dtype=np.uint8)
+    return a if delta is None else np.bitwise_xor(a, np.frombuffer(delta, dtype=np.uint8))
+
+
 def unpack(frame, nbytes: int, group: int, where: str) -> memoryview:
     """The `nbytes` bytes a stored chunk holds; `frame` is them as they are when it is that long."""
     if len(frame) == nbytes:

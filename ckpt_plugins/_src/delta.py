@@ -11,16 +11,14 @@ is already `max_chain` deep stores everything itself and starts a new chain.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Dict, Optional, Tuple
 
-from .base_ref import BaseRef, digest, resolve
+from .base_ref import BaseRef, digest, relative, resolve
 from .committed import read_metadata
 from .format import CHUNK_BYTES, DeltaRef, Metadata, StoredItem
-from .storage import LocalStorage, Storage, storage_for
+from .storage import Storage, storage_for
 
 log = logging.getLogger("ckpt_plugins")
-MAX_CHAIN = 4  # deltas on deltas before a save stores everything again
 
 
 class Base:
@@ -30,17 +28,18 @@ class Base:
     def __init__(self, storage: Storage, metadata: Metadata):
         self.storage, self.metadata = storage, metadata
         self.below = opened(storage, metadata)  # its own base, when it is a delta too: checked now
-        self._boxes: Dict[Tuple[str, tuple, tuple], Optional[StoredItem]] = {}
+        self._boxes: Dict[str, Dict[Tuple[tuple, tuple], StoredItem]] = {}  # per key, by where a box lies
 
     def box(self, key: str, offsets, lengths, nbytes: int) -> Optional[StoredItem]:
         """The stored box of `key` exactly at (`offsets`, `lengths`), of `nbytes`, if there is one
         (bytes are XORed as bytes: a dtype of the same width would do)."""
-        where = (key, tuple(offsets), tuple(lengths))
-        if where not in self._boxes:
+        boxes = self._boxes.get(key)
+        if boxes is None:
             meta = self.metadata.tensors.get(key)
-            self._boxes[where] = None if meta is None else next(
-                (b for b in meta.boxes if (tuple(b.offsets), tuple(b.lengths), b.nbytes) == where[1:] + (nbytes,)), None)
-        return self._boxes[where]
+            boxes = self._boxes[key] = {} if meta is None else {
+                (tuple(b.offsets), tuple(b.lengths)): b for b in meta.boxes}
+        found = boxes.get((tuple(offsets), tuple(lengths)))
+        return found if found is not None and found.nbytes == nbytes else None
 
     def chunk(self, key: str, box: StoredItem, k: int) -> bytearray:
         """Chunk `k` of the base's `box` of `key`, verified."""
@@ -82,9 +81,7 @@ def start(storage: Storage, base_path, max_chain: int) -> Tuple[Optional[Base], 
         return None, None
     if base_storage.identity == storage.identity:
         raise ValueError(f"delta_from names the checkpoint being saved ({storage}); a delta needs an earlier one")
-    here = str(storage.root) if isinstance(storage, LocalStorage) else None
-    there = str(base_storage.root) if isinstance(base_storage, LocalStorage) else None
-    path = os.path.relpath(there, here) if here and there else str(base_path)
-    return Base(base_storage, metadata), DeltaRef(path, digest(base_storage), depth)
+    return Base(base_storage, metadata), DeltaRef(relative(storage, base_storage, base_path), digest(base_storage),
+                                                  depth)
 
 

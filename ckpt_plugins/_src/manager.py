@@ -53,6 +53,7 @@ class CheckpointManager:
         self.checkpointer = checkpointer or default_checkpointer(process_group)
         self._pattern = re.compile(re.escape(prefix) + r"(\d+)")
         self._protected: set = set()  # steps being loaded by this process: never deleted
+        self._bases: Dict[int, Optional[str]] = {}  # committed step -> the path of its delta's base (read once)
         self.memory_every, self.persist_every = memory_every, persist_every
         self.tier = None if memory_every is None else MemoryTier(self.checkpointer, self.root, keep=memory_keep,
                                                                  directory=memory_dir)
@@ -96,6 +97,7 @@ class CheckpointManager:
         """`Checkpointer.save` into `path(step)`, returning once committed; `latest` and retention
         follow its commit. With the memory tier: to memory (and `root` on persisted steps) when the
         step is due, else nothing (None)."""
+        self._bases.pop(int(step), None)  # an overwrite may change what it is built on
         if self.tier is None:
             return self.checkpointer.save(self.path(step), state, step=int(step), hooks=self._hooks(step), **options)
         handle = self.save_async(step, state, **options)
@@ -104,6 +106,7 @@ class CheckpointManager:
     def save_async(self, step: int, state: Dict[str, Any], **options) -> Optional[SaveHandle]:
         """`Checkpointer.save_async` into `path(step)` (see `save`); None when the memory tier's
         step is not due."""
+        self._bases.pop(int(step), None)
         if self.tier is None:
             return self.checkpointer.save_async(self.path(step), state, step=int(step), hooks=self._hooks(step),
                                                 **options)
@@ -163,6 +166,7 @@ class CheckpointManager:
         for step in steps:
             if step not in keep:
                 self.storage.remove(self.name(step))
+                self._bases.pop(step, None)
 
     def _with_bases(self, keep: set, steps: List[int]) -> set:
         """`keep` and every step under the root that one of them is a delta against, down the chains."""
@@ -170,14 +174,14 @@ class CheckpointManager:
         todo, keep = list(keep), set(keep)
         while todo:
             step = todo.pop()
-            try:
-                ref = read_metadata(self.path(step)).delta
-            except CheckpointError as exc:  # unreadable: nothing to follow (it is kept all the same)
-                log.warning("%s: retention could not read step %s: %s", self.storage, step, exc)
-                continue
-            if ref is None:
-                continue
-            base = by_path.get(posixpath.normpath(posixpath.join(self.path(step), ref.path)))
+            if step not in self._bases:  # a committed step's metadata, read once: not at every commit
+                try:
+                    ref = read_metadata(self.path(step)).delta
+                except CheckpointError as exc:  # unreadable: nothing to follow (it is kept all the same)
+                    log.warning("%s: retention could not read step %s: %s", self.storage, step, exc)
+                    continue
+                self._bases[step] = None if ref is None else posixpath.normpath(posixpath.join(self.path(step), ref.path))
+            base = by_path.get(self._bases[step])
             if base is not None and base not in keep:
                 keep.add(base)
                 todo.append(base)

@@ -42,7 +42,7 @@ class SaveOptions:
     base: Any = None
     compress: bool = False
     delta_from: Any = None
-    max_chain: int = 4
+    max_chain: int = 4  # deltas on deltas before a save stores everything again
 
     @property
     def recorded(self) -> Dict[str, Any]:

@@ -24,10 +24,10 @@ from .base_ref import leave_to_base
 from .casts import masters_cast_exactly
 from .commit import Commit, generation_file
 from .coordinator import Coordinator
-from .engine.write import StagedWrite, StageItem, Written
+from .engine.write import StagedWrite, StageItem
 from .errors import CheckpointError, SaveError
 from .failure import RankFailure, collect, failure_error
-from .format import DATA_DIR, DeltaRef, Metadata, ObjectMeta
+from .format import DATA_DIR, DeltaRef, Metadata, ObjectMeta, StoredItem
 from .fragment import Fragment, sub_view
 from .objects import Encoded, encode_object
 from .options import SaveHooks, SaveOptions
@@ -53,7 +53,7 @@ class SavedObject(NamedTuple):
 class WriteReport:
     """What one rank tells the coordinator after writing its files."""
     failure: Optional[RankFailure]
-    written: List[Written] = field(default_factory=list)  # per tensor write item
+    written: List[StoredItem] = field(default_factory=list)  # per tensor write item: where it went
     objects: Dict[str, ObjectMeta] = field(default_factory=dict)
     sizes: Dict[str, int] = field(default_factory=dict)
     telemetry: Optional[RankTelemetry] = None  # this rank's phases so far (rides on the commit's gather)

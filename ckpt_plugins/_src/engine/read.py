@@ -6,11 +6,10 @@ import math
 import time
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..codec import unpack
+from ..codec import unpack, xor
 from ..format import StoredItem, chunk_checksums, crc32c_of
 from ..fragment import Fragment, flat_offset, sub_view
 from ..plan import ReadItem
@@ -64,7 +63,7 @@ def _read_packed(storage: Storage, key: str, item: StoredItem, start: int, end: 
         data = unpack(memoryview(frames)[pos:pos + n], size, item.group, where) if n else None
         pos += n
         if based is not None:
-            data = xor(base.chunk(key, based, k), data)
+            data = memoryview(xor(base.chunk(key, based, k), data))
         if item.crc32c:
             _check(key, item, k * chunk, k * chunk + len(data), [crc32c_of(data)], chunk)
         lo, hi = max(start, k * chunk), min(end, k * chunk + len(data))
@@ -82,14 +81,6 @@ def _base_box(key: str, item: StoredItem, base) -> StoredItem:
                                      f"checkpoint {'does not name' if base is None else 'lacks'}; the checkpoint "
                                      "is corrupt")
     return found
-
-
-def xor(data, delta) -> memoryview:
-    """`data` with `delta` (bytes of the same length) XORed in; `data` as it is for no delta."""
-    if delta is None:
-        return memoryview(data).cast("B")
-    a = np.frombuffer(data, dtype=np.uint8)
-    return memoryview(np.bitwise_xor(a, np.frombuffer(delta, dtype=np.uint8))).cast("B")
 
 
 def region_view(data, dtype: torch.dtype, first: int, stored_lengths: Sequence[int], stored_offsets: Sequence[int],

@@ -15,14 +15,13 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 
-from ..codec import Packer, head_bytes
-from ..format import CHUNK_BYTES, ChunkSums
+from ..codec import Packer, head_bytes, xor
+from ..format import CHUNK_BYTES, ChunkSums, StoredItem
 from .. import hostmem
 from ..storage import AlignedStream, Storage
 from ..telemetry import Recorder
@@ -56,18 +55,9 @@ class StageItem:
 
 
 @dataclass
-class Written:
-    """Where an item ended up and its chunk checksums: its planned place, unless compressed."""
-    offset: int
-    crc32c: List[int]
-    group: int = 0
-    packed: List[int] = field(default_factory=list)
-    delta: bool = False
-
-
-@dataclass
 class WriteResult:
-    items: List[Written]  # per item, in the job's order
+    items: List[StoredItem]  # where each item went and its checksums, in the job's order (the
+    # planned file and place, unless compressed)
     sizes: Dict[str, int]  # each file's bytes
 
 
@@ -78,6 +68,7 @@ class StagedWrite:
 
     def __init__(self, storage: Storage, items: Sequence[StageItem], compress: bool = False):
         self.storage, self.items, self.compress = storage, list(items), compress
+        self.packs = compress or any(item.base is not None for item in self.items)  # else written as staged
         self.sizes: Dict[str, int] = {}
         for item in self.items:
             self.sizes[item.file] = max(self.sizes.get(item.file, 0), item.offset + item.nbytes)
@@ -204,7 +195,8 @@ class StagedWrite:
         needs every file's writer to free its window); returns where each item went, with its
         chunk checksums. `recorder` gets each file's write (seconds spent in the storage, bytes,
         O_DIRECT bytes, retries), the checksums' and the compression's seconds."""
-        result = WriteResult([Written(item.offset, []) for item in self.items], dict(self.sizes))
+        result = WriteResult([StoredItem(item.file, item.offset, item.nbytes, []) for item in self.items],
+                             dict(self.sizes))
         recorder = recorder or Recorder("save", "", 0, enabled=False)
         try:
             with ThreadPoolExecutor(max(1, len(self.sizes)), thread_name_prefix="ckpt-write") as pool:
@@ -223,7 +215,7 @@ class StagedWrite:
             sums = _FileSums(self.items, name, self.chunk)
             # compressed chunks of any size go out through page-aligned pieces: O_DIRECT, as plain ones
             packed = (_PackedFile(self.items, name, AlignedStream(writer, PIECE), self.chunk, self.compress)
-                      if self.compress or any(item.base is not None for item in self.items) else None)
+                      if self.packs else None)
             pos = 0
             while pos < size:
                 with self._cond:
@@ -313,7 +305,7 @@ class _FileSums(_FileItems):
     def _take(self, index: int, view: memoryview, at: int) -> None:
         self.sums[index].feed(view)
 
-    def into(self, written: List[Written]) -> None:
+    def into(self, written: List[StoredItem]) -> None:
         for index, sums in self.sums.items():
             written[index].crc32c = sums.result()
 
@@ -327,8 +319,8 @@ class _PackedFile(_FileItems):
     def __init__(self, items: Sequence[StageItem], name: str, writer, chunk: int, compress: bool):
         super().__init__(items, name)
         self.writer, self.chunk = writer, chunk
-        self.placed = {i: Written(0, [], items[i].group if compress or items[i].base else 0,
-                                  delta=items[i].base is not None) for i in self.indices}
+        self.placed = {i: StoredItem(name, 0, items[i].nbytes, [], items[i].group if compress or items[i].base else 0,
+                                     delta=items[i].base is not None) for i in self.indices}
         self.partial: Dict[int, bytearray] = {}
         self.begun: set = set()
         self.started = 0  # where the last item begun starts
@@ -362,12 +354,11 @@ class _PackedFile(_FileItems):
                     self._chunk(index, out, self.partial.pop(index))
             view, at = view[n:], at + n
 
-    def _chunk(self, index: int, out: Written, data) -> None:
-        t, frame = time.time(), None
+    def _chunk(self, index: int, out: StoredItem, data) -> None:
+        t = time.time()
         self.raw += len(data)
         if out.delta:
-            data = np.bitwise_xor(np.frombuffer(data, dtype=np.uint8),
-                                  np.frombuffer(self.items[index].base(len(out.packed)), dtype=np.uint8))
+            data = xor(data, self.items[index].base(len(out.packed)))
             if not data.any():  # unchanged: nothing stored
                 out.packed.append(0)
                 self.busy += time.time() - t
@@ -379,20 +370,19 @@ class _PackedFile(_FileItems):
             out.group = 0  # the first chunk did not pay: none of this tensor is compressed
         self._put(out, data, frame)
 
-    def _put(self, out: Written, data, frame: Optional[bytes]) -> None:
+    def _put(self, out: StoredItem, data, frame: Optional[bytes]) -> None:
         stored = data if frame is None else frame
         self.writer.write(stored)
         self.pos += len(stored)
         if out.group:
             out.packed.append(len(stored))
 
-    def into(self, written: List[Written]) -> int:
-        """Each item's place and chunks; the file's size."""
+    def into(self, written: List[StoredItem]) -> int:
+        """Each item's place and chunks (its checksums already there); the file's size."""
         for index, out in self.placed.items():
             if not out.packed:  # stored as it is (or empty)
                 out.group, out.delta = 0, False
-            written[index].offset, written[index].group, written[index].packed = out.offset, out.group, out.packed
-            written[index].delta = out.delta
+            out.crc32c, written[index] = written[index].crc32c, out
         return self.pos
 
 
