@@ -11,7 +11,7 @@ import ckpt_plugins as cp
 from ckpt_plugins._src.storage import storage_for
 from ckpt_plugins._src.trace import load_telemetry
 import ds_util
-from distributed import run_env_ranks
+from distributed import exit_without_teardown, run_env_ranks
 
 # (stage, bf16, fp32 gradient accumulation): stage 0 fp32 steps the torch optimizer directly, stage 0
 # bf16 uses FP16_UnfusedOptimizer, stage 1 bf16 + fp32 accumulation BF16_Optimizer, the rest ZeRO 1-3
@@ -281,6 +281,7 @@ def save_native(rank, world, root):
         ref = ds_util.full_state(eng)
         if rank == 0:
             torch.save(ref, os.path.join(root, f"native{stage}.pt"))
+    exit_without_teardown()  # DeepSpeed's own gloo run, stock: see there
 
 
 def load_imported(rank, world, root):

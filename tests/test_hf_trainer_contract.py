@@ -7,11 +7,10 @@ order, so stock and plugin runs train on other batches."""
 import json
 import os
 import shutil
-import sys
 
 import torch
 
-from distributed import run_env_ranks
+from distributed import exit_without_teardown, run_env_ranks
 from hf_models import tiny_llama
 from test_hf_trainer import Tokens
 
@@ -60,13 +59,7 @@ def run(rank, world, out_dir, resume, plugin, per_device, result_path):
         torch.save({"log": [{k: v for k, v in h.items() if k not in TIMING} for h in trainer.state.log_history],
                     "samples": {s: sorted(ids) for s, ids in by_step.items()},
                     "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}, result_path)
-    if world > 1:
-        torch.distributed.barrier()
-    # Leave without the interpreter's teardown: the stock Trainer's gloo run aborted there now and
-    # then ("terminate called without an active exception"), in runs without the plugin too.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()
 
 
 def trainer_state(path) -> dict:
