@@ -15,6 +15,12 @@ out as another's cast) with each method:
   timed with it, since it reorders its input in place), the results written to one file with
   fsync, read back and decompressed.
 
+Then `compress="auto"` against storage speed: plain, compressed and auto saves of the same state
+onto this machine's disk and onto the same disk held to a rank's share of a slower filesystem
+(`--rates`, MB/s: every write of the save's writers waits for a link of that bandwidth they
+share), with each commit and the bytes stored: auto should commit as fast as the faster of the
+other two at every rate.
+
 Then ours as deltas: a compressed save, and one delta per optimizer step over `--delta-steps`
 steps at an RL post-training learning rate (`--delta-lr`), each against the save before (a chain)
 and then each against the first (one deep): the share of bf16 weights that changed, the bytes each
@@ -26,7 +32,7 @@ cache dropped), medians of `--reps`, and ratios to plain; every load is checked 
 machine's write limit (O_DIRECT) is printed beside: what compression must beat to speed a commit.
 Deletes everything it wrote.
 
-Run: .venv/bin/python bench/compression.py [--steps 200] [--reps 3]
+Run: .venv/bin/python bench/compression.py [--steps 200] [--reps 3] [--rates 1000 500 250]
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, Dict, List
 
@@ -43,6 +50,7 @@ import torch
 
 import ckpt_plugins as cp
 from ckpt_plugins._src.optional import require
+from ckpt_plugins._src.storage import LocalStorage, Writer
 from export import write_limit  # bench/ is the script's directory
 from save_load import dir_bytes, drop_cache
 
@@ -104,15 +112,44 @@ class Method:
         pass
 
 
+class Link(LocalStorage):
+    """A local directory whose data files' writers share a link of `rate` bytes/s: each write
+    returns once the link has carried it (after the disk has taken it)."""
+
+    def __init__(self, root: str, rate: float):
+        super().__init__(root)
+        self.rate, self.free_at, self.lock = rate, 0.0, threading.Lock()
+
+    def open_writer(self, name):
+        writer = super().open_writer(name)
+        return _LinkWriter(writer, self) if name.startswith("data/") else writer
+
+
+class _LinkWriter(Writer):
+    def __init__(self, inner: Writer, link: Link):
+        self.inner, self.link = inner, link
+
+    def write(self, data) -> None:
+        self.inner.write(data)
+        with self.link.lock:
+            start = max(time.perf_counter(), self.link.free_at)
+            self.link.free_at = done = start + len(memoryview(data).cast("B")) / self.link.rate
+        time.sleep(max(0.0, done - time.perf_counter()))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class Ours(Method):
-    def __init__(self, state, compress: bool):
-        self.state, self.compress = state, compress
-        self.name = "ours compressed" if compress else "plain"
+    def __init__(self, state, compress, rate: float = 0.0):
+        self.state, self.compress, self.rate = state, compress, rate
+        self.name = {False: "plain", True: "ours compressed", "auto": "ours auto"}[compress]
         self.ckpt = cp.Checkpointer()
 
     def save(self, path) -> float:
         t = time.perf_counter()
-        self.handle = self.ckpt.save_async(path, self.state, compress=self.compress)
+        self.handle = self.ckpt.save_async(Link(path, self.rate) if self.rate else path, self.state,
+                                           compress=self.compress)
         return time.perf_counter() - t
 
     def wait(self) -> None:
@@ -255,6 +292,22 @@ def deltas(run: Run, root: str, steps: int, lr: float, against: str) -> None:
           f"{same(got, state)}; bf16 weights: a full plain save / a delta = {statistics.median(ratios):.1f}x (median)")
 
 
+def against_speed(state, root: str, reps: int, rates: List[float], limit: float) -> None:
+    """Plain, compressed and auto saves onto the disk and onto links of `rates` MB/s: commits and
+    bytes stored, auto's commit against the faster of the other two."""
+    print("\ncompress=\"auto\" against storage speed: commit s (stored MB), medians of", reps)
+    print(f"{'MB/s':>10}{'plain':>18}{'compressed':>18}{'auto':>18}{'auto/best':>11}{'auto/limit':>12}")
+    raw = sum(v.numel() * v.element_size() for t in state.values() for v in t.values())
+    for rate in [0.0] + rates:
+        rows = {mode: measure(Ours(state, mode, rate * 1e6), state, root, reps) for mode in (False, True, "auto")}
+        best = min(rows[False]["commit"], rows[True]["commit"])
+        at = rate * 1e6 or limit  # the write limit: the link's, or the disk's
+        print(f"{rate or limit / 1e6:>9.0f}{'' if rate else '*'}"
+              + "".join(f"{r['commit']:>10.3f} ({r['bytes'] / 1e6:>5.1f})" for r in rows.values())
+              + f"{rows['auto']['commit'] / best:>11.2f}{rows['auto']['commit'] / (raw / at):>12.2f}")
+    print("(*: this machine's disk, O_DIRECT; auto/limit: auto's commit / the plain bytes' time at the write limit)")
+
+
 def report(rows: Dict[str, dict], raw: Dict[str, int], limit: float) -> None:
     plain = rows["plain"]
     print(f"\nbytes stored (MB) and ratio to the tensors' own bytes; the machine writes {limit / 1e6:.0f} MB/s (O_DIRECT)")
@@ -281,6 +334,8 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
     parser.add_argument("--delta-steps", type=int, default=10)
     parser.add_argument("--delta-lr", type=float, default=1e-6)
+    parser.add_argument("--rates", type=float, nargs="*", default=[1000, 500, 250],
+                        help="links to compare compress='auto' on, MB/s")
     args = parser.parse_args(argv)
     run, t0 = Run(), time.time()
     losses = run.train(args.steps)
@@ -301,7 +356,8 @@ def main(argv: List[str]) -> None:
             print(f"{method.name}: {rows[method.name]['bytes'] / 1e6:.1f} MB, commit {rows[method.name]['commit']:.3f} s",
                   flush=True)
         report(rows, raw, limit)
-        for against in ("previous", "first"):
+        against_speed(state, root, args.reps, args.rates, limit)
+        for against in ("previous", "first") if args.delta_steps else ():
             deltas(run, root, args.delta_steps, args.delta_lr, against)
     finally:
         shutil.rmtree(root, ignore_errors=True)

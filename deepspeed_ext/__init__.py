@@ -14,7 +14,8 @@ that save is as fast as any later one. `verify`: `load_checkpoint` then proves t
 optimizer hold what was loaded (`ckpt_plugins.load(verify=True)`). `host_memory` (bytes, or a size
 such as "8GiB"): the most host memory a rank stages saves in; a bigger save streams through it
 (`Checkpointer(host_memory=...)`). `compress`: store each tensor losslessly compressed where that
-pays (`Checkpointer(compress=True)`; needs zstandard).
+shrinks it, or with "auto" only where that also shortens the commit (`Checkpointer(compress=...)`;
+needs zstandard).
 """
 from __future__ import annotations
 

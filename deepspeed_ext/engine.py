@@ -90,7 +90,7 @@ class Hooks:
         if options.get("host_memory") is not None:
             self.checkpointer.host_memory = options["host_memory"]
         if options.get("compress") is not None:
-            self.checkpointer.compress = bool(options["compress"])
+            self.checkpointer.compress = options["compress"]
         self.unlogged: list = []  # SaveInfo or SaveHandle of saves not yet in the monitor
         self.warm = bool(options.get("warm_up", True))
         self.extra: Dict[str, Any] = {}  # more entries every checkpoint carries (add_state)

@@ -218,13 +218,14 @@ def _handled_models(accelerator, hooks, path: str, load: bool = False) -> List:
 
 
 def enable(accelerator, *, async_save: bool = False, verify: bool = False, host_memory: Union[int, str, None] = None,
-           compress: Optional[bool] = None):
+           compress: Union[bool, str, None] = None):
     """Make `accelerator.save_state`/`load_state` save and load through ckpt_plugins, keeping
     accelerate's folders, hooks and counters (see the module docstring). Returns the accelerator.
     `verify`: every `load_state` then proves the live state holds what was loaded. `host_memory`
     (bytes, or a size such as "8GiB"): the most host memory a rank stages saves in; a bigger save
-    streams through it. `compress`: tensors stored losslessly compressed where that pays (needs
-    zstandard); None leaves the checkpointer's setting."""
+    streams through it. `compress`: tensors stored losslessly compressed where that shrinks them, or
+    with "auto" only where that also shortens the commit (needs zstandard); None leaves the
+    checkpointer's setting."""
     require_version("accelerate", "accelerate", ACCELERATE, "hf_ext.accelerate")
     if host_memory is not None:
         cp.checkpointer().host_memory = host_memory

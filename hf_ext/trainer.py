@@ -367,7 +367,7 @@ _NO_OPS = ("_save_optimizer_and_scheduler", "_save_rng_state", "_save_scaler")
 def enable(trainer, *, async_save: bool = False, overlap: bool = False, checkpointer: Optional[cp.Checkpointer] = None,
            peft_base: Optional[str] = None, adapters_only: bool = True, hf_weights: bool = True,
            on_data_change: str = "warn", init_from: Optional[str] = None, verify: bool = False,
-           host_memory: Union[int, str, None] = None, compress: Optional[bool] = None):
+           host_memory: Union[int, str, None] = None, compress: Union[bool, str, None] = None):
     """Make `trainer` save and resume through ckpt_plugins (see the module docstring). Returns it.
 
     `async_save`: saves return once their snapshot is taken; `overlap`: at once, the optimizer's next
@@ -379,7 +379,8 @@ def enable(trainer, *, async_save: bool = False, overlap: bool = False, checkpoi
     `verify`: every load then proves the live model and optimizer hold what was loaded
     (`ckpt_plugins.load(verify=True)`). `host_memory` (bytes, or a size such as "8GiB"): the most
     host memory a rank stages saves in; a bigger save streams through it. `compress`: tensors stored
-    losslessly compressed where that pays (needs zstandard); None leaves the checkpointer's setting."""
+    losslessly compressed where that shrinks them, or with "auto" only where that also shortens the
+    commit (needs zstandard); None leaves the checkpointer's setting."""
     require_version("transformers", "transformers", TRANSFORMERS, "hf_ext.trainer")
     from transformers import TrainerCallback
 

@@ -16,7 +16,7 @@ the default) they call Megatron's own. Kept: `--save`/`--load`, `iter_NNNNNNN` d
 (an asynchronous ckpt_plugins save; `--ckpt-overlap`: returns at once, the snapshot running beside
 the next forward and backward until the optimizer step; `--ckpt-host-memory 8GiB`: staging within that
 budget, a bigger save streaming through it; `--ckpt-compress`: tensors stored losslessly compressed
-where that pays), `--non-persistent-save-interval` (saves to the memory tier,
+where that shrinks them; `--ckpt-compress auto`: only where that also shortens the commit), `--non-persistent-save-interval` (saves to the memory tier,
 replicated to another host; a restart with `--load` = `--save` takes the newest of memory and the
 tracker's iteration, agreed by every rank), the iteration, FLOPs so far, consumed samples, the LR scheduler
 and RNG states (Python, NumPy, torch and Megatron's TP RNG tracker, per rank). `--load` may also name
@@ -61,9 +61,10 @@ def add_arguments(parser):
     group.add_argument("--ckpt-verify", action="store_true",
                        help="with --ckpt-backend bytecheckpoint: a load then proves the live model and optimizer hold "
                             "what was loaded (ckpt_plugins.load(verify=True))")
-    group.add_argument("--ckpt-compress", action="store_true",
+    group.add_argument("--ckpt-compress", nargs="?", const=True, default=False, choices=[True, "auto"],
                        help="with --ckpt-backend bytecheckpoint: store each tensor losslessly compressed where that "
-                            "pays (needs zstandard: pip install 'ckpt_plugins[zstd]')")
+                            "shrinks it, or with 'auto' only where that also shortens the save's commit (needs "
+                            "zstandard: pip install 'ckpt_plugins[zstd]')")
     group.add_argument("--ckpt-host-memory", default=None, metavar="SIZE",
                        help="with --ckpt-backend bytecheckpoint: the most host memory a rank stages saves in (bytes, or "
                             "a size such as 8GiB); a bigger save streams through it")
@@ -152,7 +153,7 @@ def saved_state(args, iteration, model, optimizer, opt_param_scheduler,
 def _checkpointer(args) -> cp.Checkpointer:
     """The default Checkpointer, within --ckpt-host-memory, compressing with --ckpt-compress."""
     ckpt = cp.checkpointer()
-    ckpt.compress = bool(getattr(args, "ckpt_compress", False))
+    ckpt.compress = getattr(args, "ckpt_compress", False)
     if getattr(args, "ckpt_host_memory", None) is not None:
         ckpt.host_memory = args.ckpt_host_memory
     return ckpt

@@ -129,6 +129,8 @@ def test_a_host_memory_budget_given_to_enable_streams_save_state_through_it_comp
                 p.zero_()
         accelerator.load_state(str(tmp_path / "ckpt"))
         assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+        with pytest.raises(ValueError, match=r"compress must be True, False or 'auto', not 'fast'"):
+            hf_ext.accelerate.enable(accelerator, compress="fast")
     finally:
         cp.checkpointer().host_memory = None  # the process's default checkpointer, shared by later tests
         cp.checkpointer().compress = False

@@ -102,14 +102,16 @@ def test_a_load_waits_for_an_overlapped_snapshot_of_the_state_it_fills(tmp_path,
 
 
 @pytest.mark.parametrize("threads, room, compress", [(1, None, False), (3, None, False), (1, 16 << 10, False),
-                                                    (3, 16 << 10, False), (3, None, True), (3, 16 << 10, True)])
+                                                    (3, 16 << 10, False), (3, None, True), (3, 16 << 10, True),
+                                                    (3, 16 << 10, "auto")])
 def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, room, compress, monkeypatch):
     """Host tensors go as memmove pieces on several threads, the rest on the caller's thread; the
     files hold each item's bytes at its offset whatever order the pieces finish in. `room`: a
     buffer smaller than the job, streamed through window by window: strided tensors, objects and
     host tensors are copied in parts. `compress`: the writers compress each tensor's chunks (of
     1 KiB here: whole ones from a piece, others gathered across pieces and windows) where the first
-    pays, and each item reads back from where they say it went."""
+    pays, and each item reads back from where they say it went; "auto", onto slow storage: the
+    file written as staged until its pace is known, then compressed."""
     from ckpt_plugins._src.engine import write as engine
     from ckpt_plugins._src.engine.read import read_checked
     from ckpt_plugins._src.staging import StagingPool
@@ -131,6 +133,11 @@ def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, room, c
         items.append(engine.StageItem(name, offsets[name], src))
         offsets[name] += items[-1].nbytes + 64  # a gap, as alignment leaves
     storage = LocalStorage(str(tmp_path))
+    if compress == "auto":  # storage's pace known after a piece (4 KiB here), slow
+        from ckpt_plugins._src.engine import pace
+        monkeypatch.setattr(pace, "MEASURED", 4096)
+        monkeypatch.setattr(engine, "PIECE", 4096)
+        slow_writes(monkeypatch, 0.01)
     job = engine.StagedWrite(storage, items, compress=compress)
     job.chunk = 1024
     buffer = StagingPool().acquire(job.nbytes).buffer if room is None else torch.zeros(room, dtype=torch.uint8)
@@ -145,7 +152,9 @@ def test_snapshot_copies_every_kind_of_source_exactly(tmp_path, threads, room, c
         expected = src if isinstance(src, bytes) else src.contiguous().view(torch.uint8).numpy().tobytes()
         assert data == expected
         if not isinstance(src, torch.Tensor) or src.dtype in (torch.int16, torch.uint8) or not item.nbytes:
-            assert (out.group > 0) == (compress and isinstance(src, torch.Tensor) and src.dtype == torch.int16), item
+            assert (out.group > 0) == (bool(compress) and isinstance(src, torch.Tensor) and src.dtype == torch.int16), item
+    if compress == "auto":  # begun before storage's pace was known: its first piece went as staged, and the rest
+        assert result.items[0].group == 0 and result.items[0].offset == 0
     assert result.sizes == {name: os.path.getsize(tmp_path / name) for name in result.sizes}
 
 

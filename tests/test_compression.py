@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import ckpt_plugins as cp
 from ckpt_plugins._src import codec
+from ckpt_plugins._src.engine.pace import Pace, worth_compressing
 from ckpt_plugins._src.format import CHUNK_BYTES
 from ckpt_plugins.ext import LoadItems, box_fragment
 from distributed import run_ranks
@@ -270,3 +273,75 @@ def test_retention_keeps_the_bases_a_kept_delta_needs(tmp_path):
     got = {"t": {"bf16": torch.zeros_like(state["bf16"])}}
     manager.load(got)
     assert torch.equal(got["t"]["bf16"], state["bf16"])
+
+
+def test_the_pace_compresses_a_kind_only_while_that_shortens_the_commit(monkeypatch):
+    """Storage's time per byte: each write counted its share of the time it was in flight; a
+    kind's compression, per byte."""
+    from ckpt_plugins._src.engine import pace as paced
+    clock = [0.0]
+    monkeypatch.setattr(paced.time, "perf_counter", lambda: clock[0])
+
+    def write(nbytes, seconds, writers=1):  # `writers` writes of `nbytes` at once
+        for w in range(writers):
+            pace.writing(w)
+        clock[0] += seconds
+        for w in range(writers):
+            pace.wrote(w, nbytes)
+
+    kind = (2, 1)  # bf16, its top byte compressed
+    pace = Pace(threads=2)
+    assert pace.pays(kind) is False  # storage's pace unknown: as it is
+    write(1 << 20, 0.001, writers=2)  # 2.1 GB/s, two writers sharing it
+    assert pace.pays(kind) is False and pace.written.seconds == pytest.approx(0.001)  # too few bytes to trust
+    write(3 << 20, 0.003, writers=2)
+    assert pace.pays(kind) is None  # the kind not measured: compress one chunk to find out
+    pace.compressed(kind, 1 << 20, 700_000, 0.002)  # 0.5 GB/s a thread, a third saved
+    assert pace.pays(kind) is False and pace.pays((4, 1)) is None
+    write(1 << 30, 1.07)  # 1 GB/s now: 0.95 + 0.67² / 0.95 ns a byte compressed, against 0.95 * 1 as it is
+    assert pace.pays(kind) is False
+    write(1 << 30, 7.6)  # 0.25 GB/s over both: 2.7 + 0.95² / 2.7 ns against 0.95 * 4
+    assert pace.pays(kind) is True
+    assert worth_compressing(0.2, 0.3, 2.0, threads=1) is True  # one writer: 0.2 + 1.4 < 0.95 * 2
+    assert worth_compressing(1.0, 0.3, 1.5, threads=1) is False  # 1 + 1.05 > 0.95 * 1.5
+    assert worth_compressing(1.0, 0.3, 1.5, threads=2) is True  # 1.05 + 0.5² / 1.05
+
+
+def test_auto_compresses_onto_slow_storage_and_not_onto_fast_storage(tmp_path, monkeypatch):
+    """compress="auto": onto storage that takes 40 MB/s (a rank's share of a busy shared
+    filesystem), tensors are stored compressed once storage's pace is known (a piece of each file
+    has gone out as it is); onto storage in memory, compressing never pays and every tensor is
+    stored as it is. Both load bit for bit. A value other than True, False or "auto" is refused."""
+    import faults
+    g = torch.Generator().manual_seed(1)
+    state = {f"w{i}": (torch.randn(1024, 2048, generator=g) * 0.02).to(torch.bfloat16) for i in range(8)}  # 32 MiB
+
+    def slow(writer, data):
+        writer.write(data)
+        time.sleep(len(memoryview(data).cast("B")) / 40e6)
+
+    monkeypatch.setitem(faults.FaultyStorage.FAULTS, "write", slow)
+    cp.save(f"faulty://{tmp_path / 'slow'}", state, compress="auto")
+    shm = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        cp.save(os.path.join(shm, "fast"), state, compress="auto")
+        for path, compressed in ((tmp_path / "slow", True), (os.path.join(shm, "fast"), False)):
+            meta = cp.read_metadata(path)
+            boxes = [t.boxes[0] for t in meta.tensors.values()]
+            if compressed:
+                packed = [b for b in boxes if b.group]
+                assert len(packed) >= 3 and all(b.group == 2 and b.stored_nbytes < 0.8 * b.nbytes for b in packed)
+                assert sum(b.stored_nbytes for b in boxes) < 0.9 * sum(b.nbytes for b in boxes)
+            else:
+                assert all(b.group == 0 and b.stored_nbytes == b.nbytes for b in boxes), path
+            got = {k: torch.zeros_like(v) for k, v in state.items()}
+            cp.load(path, got)
+            assert all(torch.equal(raw(got[k]), raw(v)) for k, v in state.items()), path
+    finally:
+        shutil.rmtree(shm)
+    for bad in ("fast", 1, None):
+        with pytest.raises(ValueError, match=r"compress must be True, False or 'auto', not"):
+            cp.save(tmp_path / "bad", state, compress=bad)
+    with pytest.raises(ValueError, match=r"compress must be True, False or 'auto', not 'yes'"):
+        cp.Checkpointer(compress="yes")
+    assert not os.path.exists(tmp_path / "bad")

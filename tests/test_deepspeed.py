@@ -168,6 +168,9 @@ def overlapped_saves_hold_the_step(rank, world, root):
     fresh = ds_util.engine(3, True, seed=1, extra=accumulate)
     fresh.load_checkpoint(os.path.join(root, "overlap"))
     ds_util.assert_same_training_state(ref, ds_util.full_state(fresh))
+    bad = {**accumulate, "checkpoint": {**accumulate["checkpoint"], "compress": "fast"}}
+    with pytest.raises(ValueError, match=r"compress must be True, False or 'auto', not 'fast'"):
+        ds_util.engine(3, True, extra=bad)
 
 
 def test_engine_checkpoint_semantics(tmp_path):

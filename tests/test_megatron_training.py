@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import ckpt_plugins as cp
@@ -226,6 +227,16 @@ def overlapped_save_worker(rank, world, root):
     loaded = [p.detach() for p in fresh.parameters()] + [
         t for s in fresh_opt.chained_optimizers[0].optimizer.state.values() for t in s.values()]
     assert len(loaded) == len(saved) and all(torch.equal(a, b) for a, b in zip(saved, loaded))
+
+    # --ckpt-compress auto: compressed only where that shortens the commit, which loads as any save
+    args = megatron_args(1, 1, os.path.join(root, "auto"), "--ckpt-backend", "bytecheckpoint", "--ckpt-compress", "auto")
+    assert args.ckpt_compress == "auto"
+    training.save_checkpoint(3, [fresh], fresh_opt, fresh_sched, 0.0)
+    assert cp.checkpointer().compress == "auto"
+    assert checkpointing.load_checkpoint([model], opt, sched)[0] == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    with pytest.raises(SystemExit):  # Megatron's parser: invalid choice
+        megatron_args(1, 1, root, "--ckpt-backend", "bytecheckpoint", "--ckpt-compress", "fast")
     mu.destroy()
 
 

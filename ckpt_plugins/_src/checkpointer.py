@@ -18,7 +18,7 @@ from .coordinator import Coordinator, checkpoint_groups
 from .loading import load
 from .plan_cache import PlanCache
 from .results import LoadResult, SaveHandle, SaveInfo
-from .options import NO_HOOKS, SaveHooks, SaveOptions, byte_size
+from .options import NO_HOOKS, SaveHooks, SaveOptions, byte_size, compress_mode
 from .saving import Save
 from .warmup import WarmUp
 from .staging import StagingPool
@@ -39,13 +39,14 @@ class Checkpointer:
     "8GiB"; None: as much as a save needs, twice over so that one save can snapshot while the
     previous one writes). A save bigger than it streams through it: snapshot a part, write it,
     reuse the memory; the snapshot then also waits for the writes of what did not fit.
-    `compress`: saves store each tensor compressed where that pays, unless a save says otherwise
-    (`save(..., compress=False)`; the framework hooks' switches set it).
+    `compress`: saves store each tensor compressed where that shrinks it (True), or only where that
+    also shortens the commit ("auto"), unless a save says otherwise (`save(..., compress=False)`;
+    the framework hooks' switches set it).
     """
 
     def __init__(self, process_group=None, *, threads: int = 2, read_threads: int = 4,
                  host_memory: Union[int, str, None] = None, direct_io: bool = True, shared_memory: bool = True,
-                 timeout: timedelta = timedelta(minutes=10), telemetry: bool = True, compress: bool = False):
+                 timeout: timedelta = timedelta(minutes=10), telemetry: bool = True, compress: Union[bool, str] = False):
         self.process_group = process_group
         self.compress = compress
         self.shared_memory = shared_memory
@@ -61,6 +62,15 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")  # saves commit in order
         self._last: Optional[SaveHandle] = None
         self._warming: Optional[threading.Thread] = None
+
+    @property
+    def compress(self) -> Union[bool, str]:
+        return self._compress
+
+    @compress.setter
+    def compress(self, value: Union[bool, str]) -> None:
+        """For the framework hooks' switches too: True, False or "auto", checked here."""
+        self._compress = compress_mode(value)
 
     @property
     def host_memory(self) -> Optional[int]:

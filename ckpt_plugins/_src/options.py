@@ -24,14 +24,22 @@ def byte_size(value: Union[int, str, None], what: str = "host_memory") -> Option
     return value
 
 
+def compress_mode(value: Union[bool, str]) -> Union[bool, str]:
+    """`compress` checked: False, True (each tensor compressed where that shrinks it) or "auto"
+    (where that also shortens the commit, as the save's writers measure it: `engine.pace`)."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    raise ValueError(f"compress must be True, False or 'auto', not {value!r}")
+
+
 @dataclass(frozen=True)
 class SaveOptions:
     """`framework` and `layout`: where the state comes from (recorded, for tools and people).
     `step`: the training step it holds. `overwrite`: it may replace a committed checkpoint (which
     stays loadable until the new one commits). `base`: a committed checkpoint this state was built
     on (a PEFT run's frozen base): frozen parameters it holds alike are left to it (`base_ref`).
-    `compress`: store each tensor compressed, chunk by chunk, where that pays (`codec`; the writers
-    compress, never the snapshot). `delta_from`: an earlier committed checkpoint; every box it holds
+    `compress`: store each tensor compressed, chunk by chunk, where that shrinks it (`codec`; the
+    writers compress, never the snapshot); "auto": only while that also shortens the commit. `delta_from`: an earlier committed checkpoint; every box it holds
     alike is stored as the XOR of each chunk with the same chunk there, compressed, a chunk that did
     not change not at all, unless that would make a chain of more than `max_chain` deltas
     (`delta`)."""
@@ -40,9 +48,12 @@ class SaveOptions:
     step: Optional[int] = None
     overwrite: bool = False
     base: Any = None
-    compress: bool = False
+    compress: Union[bool, str] = False
     delta_from: Any = None
     max_chain: int = 4  # deltas on deltas before a save stores everything again
+
+    def __post_init__(self):
+        compress_mode(self.compress)
 
     @property
     def recorded(self) -> Dict[str, Any]:

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Union
 
 import torch
 
@@ -97,7 +97,7 @@ class Contents:
         return ([SavedObject(k, self.replicated[k], None) for k in replicated] +
                 [SavedObject(k, e, self.rank) for k, e in self.per_rank.items()])
 
-    def staged(self, storage: Optional[Storage], cached: CachedPlan, compress: bool = False,
+    def staged(self, storage: Optional[Storage], cached: CachedPlan, compress: Union[bool, str] = False,
                base: Optional[delta.Base] = None) -> "Staged":
         """What this rank writes, as views of the live fragments and the encoded objects; with a
         delta's `base`, each box it holds alike as a delta against it."""

@@ -11,6 +11,7 @@ chunk on the way out (`codec`), never in the snapshot.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -24,7 +25,9 @@ from ..codec import Packer, head_bytes, xor
 from ..format import CHUNK_BYTES, ChunkSums, StoredItem
 from .. import hostmem
 from ..storage import AlignedStream, Storage
+from ..storage.stream import DIRECT
 from ..telemetry import Recorder
+from .pace import Pace, TimedWriter
 from .window import Window, Windows, plan_windows
 
 PIECE = 8 << 20  # bytes per write call: big enough for the disk, small enough to pipeline
@@ -63,16 +66,19 @@ class WriteResult:
 
 class StagedWrite:
     """One rank's share of a save: snapshot into a staging buffer, then write every file from it
-    (`compress`: each tensor's chunks compressed where that pays)."""
+    (`compress`: each tensor's chunks compressed where that shrinks them; "auto": where that also
+    shortens the commit, as `pace` measures it)."""
     chunk = CHUNK_BYTES  # the checksums' and the compression's unit
 
-    def __init__(self, storage: Storage, items: Sequence[StageItem], compress: bool = False):
+    def __init__(self, storage: Storage, items: Sequence[StageItem], compress: Union[bool, str] = False):
         self.storage, self.items, self.compress = storage, list(items), compress
-        self.packs = compress or any(item.base is not None for item in self.items)  # else written as staged
+        self.packs = bool(compress) or any(item.base is not None for item in self.items)  # else written as staged
         self.sizes: Dict[str, int] = {}
         for item in self.items:
             self.sizes[item.file] = max(self.sizes.get(item.file, 0), item.offset + item.nbytes)
         self.nbytes = sum(hostmem.align_up(size) for size in self.sizes.values())  # staged whole
+        # the writers' measurements, to decide by: as many writers at once as files, or cores
+        self.pace = Pace(min(len(self.sizes), len(os.sched_getaffinity(0)))) if compress == "auto" else None
         self.buffer: Optional[torch.Tensor] = None
         self.stored_as: Callable[[str], str] = str  # where a planned file is written (an overwrite's generation)
         self._windows: Optional[Windows] = None  # set by the snapshot, from its buffer's size
@@ -214,7 +220,7 @@ class StagedWrite:
         try:
             sums = _FileSums(self.items, name, self.chunk)
             # compressed chunks of any size go out through page-aligned pieces: O_DIRECT, as plain ones
-            packed = (_PackedFile(self.items, name, AlignedStream(writer, PIECE), self.chunk, self.compress)
+            packed = (_PackedFile(self.items, name, self._stream(writer), self.chunk, bool(self.compress), self.pace)
                       if self.packs else None)
             pos = 0
             while pos < size:
@@ -261,6 +267,9 @@ class StagedWrite:
             {"file": name, "bytes": size, "start": first, "end": end, "seconds": round(busy, 6),
              "direct_bytes": writer.direct_bytes, "retries": writer.retries})
 
+    def _stream(self, writer) -> AlignedStream:
+        return AlignedStream(writer if self.pace is None else TimedWriter(writer, self.pace), PIECE)
+
     def _written(self, k: int) -> None:
         """One file's range of window `k` is written: the window's half is free once all are."""
         with self._cond:
@@ -281,13 +290,24 @@ class _FileItems:
     def feed(self, pos: int, data: memoryview) -> None:
         """Bytes [pos, pos + len(data)) of the file as planned."""
         end = pos + len(data)
+        for index in self._within(pos, end):
+            item = self.items[index]
+            start, stop = max(pos, item.offset), min(end, item.offset + item.nbytes)
+            self._take(index, data[start - pos:stop - pos], start - item.offset)
+        self._passed(end)
+
+    def _within(self, pos: int, end: int) -> List[int]:
+        """The items with bytes in [pos, end)."""
+        found = []
         for index in self.order:
             item = self.items[index]
             if item.offset >= end:
                 break
-            start, stop = max(pos, item.offset), min(end, item.offset + item.nbytes)
-            if start < stop:
-                self._take(index, data[start - pos:stop - pos], start - item.offset)
+            if max(pos, item.offset) < min(end, item.offset + item.nbytes):
+                found.append(index)
+        return found
+
+    def _passed(self, end: int) -> None:
         while self.order and self.items[self.order[0]].offset + self.items[self.order[0]].nbytes <= end:
             self.order.popleft()
 
@@ -311,41 +331,83 @@ class _FileSums(_FileItems):
 
 
 class _PackedFile(_FileItems):
-    """One file's items compressed chunk by chunk, the chunks written one after the other (the
-    plan's alignment gaps left out). A delta item's chunks are XORed with its base's first, and one
+    """One file's items, compressed chunk by chunk, written one after the other. Until a chunk is
+    stored otherwise than staged, the file is written as planned, gaps included, and a piece whose
+    items all go as they are is written whole, as a plain save's; from then on the items follow one
+    another without the plan's gaps. A delta item's chunks are XORed with its base's first, and one
     that did not change is not written. With `compress`, a tensor whose first chunk does not pay is
-    stored as it is; without, every item but the deltas; objects always."""
+    stored as it is; without, every item but the deltas; objects always. With a `pace`, a chunk
+    (but a delta's) is compressed only while that shortens the commit. A tensor none of whose
+    chunks was compressed is recorded as stored as it is: its bytes are the same."""
 
-    def __init__(self, items: Sequence[StageItem], name: str, writer, chunk: int, compress: bool):
+    def __init__(self, items: Sequence[StageItem], name: str, writer, chunk: int, compress: bool,
+                 pace: Optional[Pace] = None):
         super().__init__(items, name)
-        self.writer, self.chunk = writer, chunk
+        self.writer, self.chunk, self.pace = writer, chunk, pace
         self.placed = {i: StoredItem(name, 0, items[i].nbytes, [], items[i].group if compress or items[i].base else 0,
                                      delta=items[i].base is not None) for i in self.indices}
         self.partial: Dict[int, bytearray] = {}
         self.begun: set = set()
+        self.tried: set = set()  # items a chunk of which was compressed
+        self.plain: set = set()  # items stored as they are from here on
         self.started = 0  # where the last item begun starts
+        self.synced = True  # every byte so far stored as staged, where planned
         self.packer: Optional[Packer] = None
         self.pos = self.raw = 0
         self.busy = 0.0
+
+    def feed(self, pos: int, data: memoryview) -> None:
+        within = self._within(pos, pos + len(data))
+        if self.synced and self.pos == pos and all(self._whole(index) for index in within):
+            self._put(None, data)
+            for index in within:
+                self._begin(index, self.items[index].offset)
+                self.placed[index].group = 0
+            self._passed(pos + len(data))
+            return
+        super().feed(pos, data)
+        if self.synced and not self.partial:  # the piece's last gap too: the next starts where planned
+            self._put(None, bytes(pos + len(data) - self.pos))
+
+    def _whole(self, index: int) -> bool:
+        """Whether the rest of item `index` goes as staged: an object or an item stored so, or one
+        begun as it is whose chunks would be."""
+        out = self.placed[index]
+        return not out.group or (not out.packed and index not in self.partial and self._as_is(index, out))
+
+    def _begin(self, index: int, at: int) -> None:
+        """Item `index` starts at `at` of the file; what is not written before it is a gap."""
+        if index not in self.begun:
+            if at > self.pos:
+                self._put(None, bytes(at - self.pos))
+            self.begun.add(index)
+            self.placed[index].offset = self.started = at
 
     def _take(self, index: int, view: memoryview, at: int) -> None:
         """Bytes [at, at + len(view)) of item `index`: whole chunks go out from the view, parts of
         one gather first."""
         nbytes, out = self.items[index].nbytes, self.placed[index]
-        if index not in self.begun:
-            if self.begun and self.pos == self.started:  # the one before stored nothing (a delta of
-                self.writer.write(b"\0")                # no change): a gap byte keeps every item's
-                self.pos += 1                            # offset its own, as loads key reads by it
-            self.begun.add(index)
-            out.offset = self.started = self.pos
+        if self.synced:
+            self._begin(index, self.items[index].offset)
+        elif index not in self.begun:
+            # the one before stored nothing (a delta of no change): a gap byte keeps every item's
+            # offset its own, as loads key reads by it; an item stored as it is starts page-aligned,
+            # so that it goes out without a copy
+            gap = 1 if self.begun and self.pos == self.started else 0
+            if nbytes >= DIRECT and (not out.group or self._as_is(index, out)):
+                gap += -(self.pos + gap) % hostmem.PAGE
+            self._begin(index, self.pos + gap)
         while view:
             if not out.group:  # an object, or a tensor whose first chunk did not pay: as it is
-                self._put(out, view, None)
+                self._put(out, view)
                 return
             start = at // self.chunk * self.chunk
             length = min(self.chunk, nbytes - start)
             n = min(len(view), start + length - at)
-            if at == start and n == length:
+            if at == start and n == length and self._as_is(index, out):
+                n = self._run(at, len(view), nbytes)
+                self._put(out, view[:n], [min(self.chunk, nbytes - k) for k in range(at, at + n, self.chunk)])
+            elif at == start and n == length:
                 self._chunk(index, out, view[:n])
             else:
                 gathered = self.partial.setdefault(index, bytearray())
@@ -354,10 +416,29 @@ class _PackedFile(_FileItems):
                     self._chunk(index, out, self.partial.pop(index))
             view, at = view[n:], at + n
 
+    def _run(self, at: int, have: int, nbytes: int) -> int:
+        """How many bytes from chunk start `at` of an item of `nbytes` to store as they are in one
+        write, of `have` at hand: every whole chunk, but one while storage's pace is unknown (the
+        next may be worth compressing)."""
+        if self.pace is not None and not self.pace.known():
+            return min(self.chunk, nbytes - at)
+        n = min(have, nbytes - at)
+        return n if at + n == nbytes else n - n % self.chunk
+
+    def _as_is(self, index: int, out: StoredItem) -> bool:
+        """Whether the item's next chunk is stored as it is: not a delta's, and compressing it does
+        not pay (its first did not shrink, or the pace says it would lengthen the commit)."""
+        return not out.delta and (index in self.plain or (
+            self.pace is not None and self.pace.pays((out.group, self.items[index].head)) is False))
+
     def _chunk(self, index: int, out: StoredItem, data) -> None:
+        if self._as_is(index, out):
+            self._put(out, data, [len(data)])
+            return
         t = time.time()
         self.raw += len(data)
         if out.delta:
+            self.synced = False
             data = xor(data, self.items[index].base(len(out.packed)))
             if not data.any():  # unchanged: nothing stored
                 out.packed.append(0)
@@ -365,23 +446,33 @@ class _PackedFile(_FileItems):
                 return
         self.packer = self.packer or Packer()
         frame = self.packer.pack(data, out.group, self.items[index].head)
-        self.busy += time.time() - t
-        if frame is None and not out.packed and not out.delta:
-            out.group = 0  # the first chunk did not pay: none of this tensor is compressed
-        self._put(out, data, frame)
-
-    def _put(self, out: StoredItem, data, frame: Optional[bytes]) -> None:
+        seconds = time.time() - t
+        self.busy += seconds
         stored = data if frame is None else frame
-        self.writer.write(stored)
-        self.pos += len(stored)
-        if out.group:
-            out.packed.append(len(stored))
+        if not out.delta:
+            if frame is None and index not in self.tried:  # the first chunk tried did not pay:
+                self.plain.add(index)                          # none of the rest is tried
+            self.tried.add(index)
+            if self.pace is not None:  # measured; written compressed while that pays (a kind's
+                kind = (out.group, self.items[index].head)  # first chunk is compressed to find out)
+                self.pace.compressed(kind, len(data), len(stored), seconds)
+                stored = stored if self.pace.pays(kind) else data
+        self.synced = self.synced and stored is data
+        self._put(out, stored, [len(stored)])
+
+    def _put(self, out: Optional[StoredItem], stored, chunks: Sequence[int] = ()) -> None:
+        """Write `stored`: its chunks' stored lengths are `chunks` (a compressed item's)."""
+        if len(stored):
+            self.writer.write(stored)
+            self.pos += len(stored)
+        if chunks:
+            out.packed.extend(chunks)
 
     def into(self, written: List[StoredItem]) -> int:
         """Each item's place and chunks (its checksums already there); the file's size."""
         for index, out in self.placed.items():
-            if not out.packed:  # stored as it is (or empty)
-                out.group, out.delta = 0, False
+            if not out.packed or (not out.delta and sum(out.packed) == out.nbytes):  # every chunk as it is
+                out.group, out.delta, out.packed = 0, False, []
             out.crc32c, written[index] = written[index].crc32c, out
         return self.pos
 

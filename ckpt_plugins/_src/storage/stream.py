@@ -6,6 +6,8 @@ import numpy as np
 from ..hostmem import PAGE as ALIGN
 from .base import Writer
 
+DIRECT = 1 << 20  # aligned data this long goes to the writer as it is, not through the buffer
+
 
 class AlignedStream:
     """Sequential writes of any size and alignment through `writer`, staged in a reusable
@@ -21,6 +23,10 @@ class AlignedStream:
 
     def write(self, data) -> None:
         data = memoryview(data).cast("B")
+        if not self.fill and len(data) >= DIRECT and address(data) % ALIGN == 0:
+            n = len(data) // ALIGN * ALIGN  # aligned already (a staged tensor's bytes): no copy
+            self.writer.write(data[:n])
+            data = data[n:]
         while len(data):
             n = min(len(data), len(self.buffer) - self.fill)
             self.buffer[self.fill:self.fill + n] = data[:n]
