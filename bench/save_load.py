@@ -180,7 +180,7 @@ class Methods:
                     self.dcp_planner = DefaultSavePlanner(enable_plan_caching=True)
                 return dcp.async_save(sd, checkpoint_id=path, process_group=self.gloo, planner=self.dcp_planner)
         elif name == "bytecheckpoint":
-            return self.bcp.save_async(path, model, opt)
+            return self.bcp.save(path, model, opt, async_=True)
         return None
 
     @staticmethod
