@@ -103,6 +103,11 @@ def main():
     resume = os.path.isdir(args.ckpt_dir) and get_last_checkpoint(args.ckpt_dir) is not None
     trainer.train(resume_from_checkpoint=resume)
     # --8<-- [end:switch]
+    # torch asks each process to destroy its groups before exit, which the Trainer leaves to the
+    # script: without it, gloo's threads now and then abort the exit ("terminate called without an
+    # active exception", pytorch/pytorch#190489)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
