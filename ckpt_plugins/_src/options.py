@@ -39,10 +39,10 @@ class SaveOptions:
     stays loadable until the new one commits). `base`: a committed checkpoint this state was built
     on (a PEFT run's frozen base): frozen parameters it holds alike are left to it (`base_ref`).
     `compress`: store each tensor compressed, chunk by chunk, where that shrinks it (`codec`; the
-    writers compress, never the snapshot); "auto": only while that also shortens the commit. `delta_from`: an earlier committed checkpoint; every box it holds
-    alike is stored as the XOR of each chunk with the same chunk there, compressed, a chunk that did
-    not change not at all, unless that would make a chain of more than `max_chain` deltas
-    (`delta`)."""
+    writers compress, never the snapshot); "auto": only while that also shortens the commit.
+    `delta_from`: an earlier committed checkpoint; every box it holds alike is stored as the XOR of
+    each chunk with the same chunk there, compressed, a chunk that did not change not at all, unless
+    that would make a chain of more than `max_chain` deltas (`delta`)."""
     framework: str = "torch"
     layout: Dict[str, Any] = field(default_factory=dict)
     step: Optional[int] = None

@@ -36,9 +36,13 @@ def worth_compressing(compress_s: float, saving: float, write_s: float, threads:
 
 @dataclass
 class _Sum:
-    raw: int = 0
-    stored: int = 0
+    raw: int = 0  # bytes taken
     seconds: float = 0.0
+
+
+@dataclass
+class _Packed(_Sum):
+    stored: int = 0  # what `raw` compressed to
 
 
 @dataclass
@@ -48,7 +52,7 @@ class Pace:
     share of every interval."""
     threads: int = 1
     written: _Sum = field(default_factory=_Sum)  # seconds: the finished writes' shares
-    packed: Dict[Kind, _Sum] = field(default_factory=dict)
+    packed: Dict[Kind, _Packed] = field(default_factory=dict)
     _shares: Dict[int, float] = field(default_factory=dict)  # the writes in flight, by writer
     _last: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -75,7 +79,7 @@ class Pace:
     def compressed(self, kind: Kind, raw: int, stored: int, seconds: float) -> None:
         """A chunk of `raw` bytes was compressed to `stored` (`raw`: it did not shrink) in `seconds`."""
         with self._lock:
-            s = self.packed.setdefault(kind, _Sum())
+            s = self.packed.setdefault(kind, _Packed())
             s.raw, s.stored, s.seconds = s.raw + raw, s.stored + stored, s.seconds + seconds
 
     def known(self) -> bool:

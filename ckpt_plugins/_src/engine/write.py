@@ -11,6 +11,7 @@ chunk on the way out (`codec`), never in the snapshot.
 """
 from __future__ import annotations
 
+
 import os
 import threading
 import time
@@ -289,8 +290,12 @@ class _FileItems:
 
     def feed(self, pos: int, data: memoryview) -> None:
         """Bytes [pos, pos + len(data)) of the file as planned."""
+        self._hand(pos, data, self._within(pos, pos + len(data)))
+
+    def _hand(self, pos: int, data: memoryview, within: List[int]) -> None:
+        """Hand bytes [pos, pos + len(data)) to the items `within` them."""
         end = pos + len(data)
-        for index in self._within(pos, end):
+        for index in within:
             item = self.items[index]
             start, stop = max(pos, item.offset), min(end, item.offset + item.nbytes)
             self._take(index, data[start - pos:stop - pos], start - item.offset)
@@ -365,7 +370,7 @@ class _PackedFile(_FileItems):
                 self.placed[index].group = 0
             self._passed(pos + len(data))
             return
-        super().feed(pos, data)
+        self._hand(pos, data, within)
         if self.synced and not self.partial:  # the piece's last gap too: the next starts where planned
             self._put(None, bytes(pos + len(data) - self.pos))
 
@@ -408,7 +413,7 @@ class _PackedFile(_FileItems):
                 n = self._run(at, len(view), nbytes)
                 self._put(out, view[:n], [min(self.chunk, nbytes - k) for k in range(at, at + n, self.chunk)])
             elif at == start and n == length:
-                self._chunk(index, out, view[:n])
+                self._pack(index, out, view[:n])
             else:
                 gathered = self.partial.setdefault(index, bytearray())
                 gathered += view[:n]
@@ -432,9 +437,15 @@ class _PackedFile(_FileItems):
             self.pace is not None and self.pace.pays((out.group, self.items[index].head)) is False))
 
     def _chunk(self, index: int, out: StoredItem, data) -> None:
+        """A whole chunk gathered from parts: as it is, or through `_pack`."""
         if self._as_is(index, out):
             self._put(out, data, [len(data)])
-            return
+        else:
+            self._pack(index, out, data)
+
+    def _pack(self, index: int, out: StoredItem, data) -> None:
+        """A whole chunk not known to go as it is: XORed with its base (a delta's), compressed,
+        and written as whichever pays."""
         t = time.time()
         self.raw += len(data)
         if out.delta:
