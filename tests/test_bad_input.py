@@ -1,4 +1,5 @@
 """Bad checkpoints and bad requests: each gets a clear error, and no live tensor is touched."""
+import errno
 import json
 import os
 
@@ -224,3 +225,23 @@ def test_a_full_shared_memory_directory_leaves_each_rank_to_read_the_metadata_it
     cp.load(ckpt, {"model": m})
     assert all(torch.equal(a, b) for a, b in zip(model().state_dict().values(), m.state_dict().values()))
     assert os.listdir(tmp_path / "shm") == []
+
+
+def test_a_full_disk_found_when_a_file_is_flushed_is_the_error_reported(tmp_path, monkeypatch):
+    """A full disk often shows only at fsync, after every write went through: that error is the
+    one the save raises (the file is not closed twice), and nothing is committed."""
+    real, failed = os.fsync, []
+
+    def fsync(fd):
+        if not failed and "/data/" in os.readlink(f"/proc/self/fd/{fd}"):
+            failed.append(fd)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(cp.SaveError, match=r"rank 0: OSError: \[Errno 28\] No space left on device"):
+        cp.Checkpointer(threads=1).save(tmp_path / "c", {"model": model()})
+    monkeypatch.undo()
+    assert failed
+    with pytest.raises(cp.IncompleteCheckpointError):
+        cp.read_metadata(tmp_path / "c")

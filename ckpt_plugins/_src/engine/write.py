@@ -11,7 +11,7 @@ chunk on the way out (`codec`), never in the snapshot.
 """
 from __future__ import annotations
 
-
+import contextlib
 import os
 import threading
 import time
@@ -218,6 +218,7 @@ class StagedWrite:
         size = self.sizes[name]
         first, busy, summing = time.time(), 0.0, 0.0
         writer = self.storage.open_writer(self.stored_as(name))
+        closing = False
         try:
             sums = _FileSums(self.items, name, self.chunk)
             # compressed chunks of any size go out through page-aligned pieces: O_DIRECT, as plain ones
@@ -250,6 +251,7 @@ class StagedWrite:
                 if pos == end:
                     self._written(k)
             t = time.time()
+            closing = True  # a close that fails has released the file: it is not closed again
             (writer if packed is None else packed.writer).close()  # fsync: part of the write
             busy += time.time() - t
             sums.into(result.items)
@@ -257,7 +259,9 @@ class StagedWrite:
                 size = result.sizes[name] = packed.into(result.items)
                 recorder.add("compress", first, time.time(), packed.raw, busy=packed.busy)
         except BaseException as exc:
-            writer.close()
+            if not closing:
+                with contextlib.suppress(Exception):  # the failure to report is `exc`
+                    writer.close()
             self.fail(exc, "writing")
             raise
         end = time.time()
