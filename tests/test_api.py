@@ -173,10 +173,14 @@ def test_metadata_is_versioned_plain_json(tmp_path):
     model, _, _ = make(0)
     cp.save(tmp_path / "c", {"model": model}, framework="torch", layout={"dp": 1}, step=7)
     raw = json.loads((tmp_path / "c" / "metadata.json").read_text())
-    assert raw["format"] == "ckpt_plugins" and raw["version"] == 4 and raw["step"] == 7
-    # the tensor table's columns, read as the format specification says, with numpy alone
-    column = {name: np.frombuffer(base64.b64decode(raw["tensors"][name]), dtype=t)
-              for name, t in (("ndim", "<u1"), ("shape", "<i8"), ("dtype", "<u1"))}
+    assert raw["format"] == "ckpt_plugins" and raw["version"] == 5 and raw["step"] == 7
+    # the tensor table's columns, read as the format specification says, with numpy alone: each
+    # in the narrowest width its values fit (shape: 16, and the others' dims, in a byte)
+    types = raw["column_types"]["tensors"]
+    assert {name: types[name] for name in ("ndim", "shape", "dtype")} == {"ndim": "uint8", "shape": "uint8",
+                                                                          "dtype": "uint8"}
+    column = {name: np.frombuffer(base64.b64decode(raw["tensors"][name]), dtype=np.dtype(types[name]).newbyteorder("<"))
+              for name in ("ndim", "shape", "dtype")}
     i = raw["keys"].index("model/norm.weight")
     start = int(column["ndim"][:i].sum())
     assert column["shape"][start:start + column["ndim"][i]].tolist() == [16]

@@ -49,7 +49,7 @@ def saved(tmp_path_factory):
 
 def test_each_tensor_is_compressed_where_it_pays_and_loads_bit_for_bit(saved):
     meta = cp.read_metadata(saved)
-    assert meta.version == 4
+    assert meta.version == 5
     want = tensors()
     for key in ("bf16", "fp32", "fp8", "int32"):
         box, = meta.tensors[f"t/{key}"].boxes
@@ -97,7 +97,7 @@ def test_a_few_rows_decompress_only_the_chunks_they_lie_in(saved, monkeypatch):
 
 def test_tools_show_verify_and_diff_compressed_checkpoints(saved, tmp_path):
     out = subprocess.run([BCP, "inspect", saved], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "format v4" in out.stdout and "tensors compressed" in out.stdout
+    assert out.returncode == 0 and "format v5" in out.stdout and "tensors compressed" in out.stdout
     line = next(ln for ln in out.stdout.splitlines() if "t/bf16" in ln)
     assert "stored in" in line
     info = json.loads(subprocess.run([BCP, "inspect", saved, "--json"], capture_output=True, text=True).stdout)

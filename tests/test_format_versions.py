@@ -1,6 +1,7 @@
 """Every format version ever written keeps loading: checkpoints written by earlier releases are
 shipped in tests/fixtures/format_v<N>/ and load bit for bit into today's code, resharded (two
-ranks' rows into one process), and pass `bcp verify`. Version 4's holds compressed boxes.
+ranks' rows into one process), and pass `bcp verify`. Version 4's holds compressed boxes; version
+5's stores each column in its narrowest width.
 
 A fixture is written once, by the release that introduced its version, and never rewritten:
 `python tests/test_format_versions.py tests/fixtures/format_v<N>` (2 ranks). From version 4 on, a
@@ -19,8 +20,8 @@ from ckpt_plugins.cli import main as bcp
 from ckpt_plugins.ext import MODEL, LoadItems, SaveItems, box_fragment, master_key
 
 FIXTURES = Path(__file__).parent / "fixtures"
-VERSIONS = [1, 2, 3, 4]
-DELTAS = [4]  # versions with a delta checkpoint (format_v<N>_delta, built on format_v<N>)
+VERSIONS = [1, 2, 3, 4, 5]
+DELTAS = [4, 5]  # versions with a delta checkpoint (format_v<N>_delta, built on format_v<N>)
 # denormal, NaN payloads (quiet, signalling), -0.0: values torch.equal cannot tell apart or calls unequal
 SPECIALS = torch.tensor([1, 0x7FC00001, 0x7F800001, -(1 << 31)], dtype=torch.int32).view(torch.float32)
 
@@ -116,7 +117,7 @@ def test_every_format_version_ever_written_loads_bit_for_bit(tmp_path, capsys):
             long = meta.tensors["long"].boxes[0]
             assert len(long.packed) == 2 and long.delta == (meta.delta is not None)
             if meta.delta is not None:  # only the changed chunk is stored
-                assert meta.delta.path == "../format_v4" and long.packed[0] == 0 < long.packed[1]
+                assert meta.delta.path == f"../format_v{version}" and long.packed[0] == 0 < long.packed[1]
         cp.load(str(path), got)
         for key in ("rows", "bf16", "ints"):
             assert torch.equal(got[key], v[key]), (version, key)

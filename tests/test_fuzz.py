@@ -19,12 +19,18 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ckpt_plugins as cp
-from ckpt_plugins._src.format_v2 import BOX_COLUMNS, PACKED_COLUMNS, TENSOR_COLUMNS
+from ckpt_plugins._src.format_v2 import BOX_COLUMNS, PACKED_COLUMNS, TENSOR_COLUMNS, WIDTHS
 from ckpt_plugins._src.metadata_codec import decode_metadata
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12),
                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
                     max_leaves=20)
+
+
+def column_type(raw: dict, table: str, name: str) -> str:
+    """A column's element type as a version-5 body declares it (numpy's name for it)."""
+    declared = raw["column_types"][table][name]
+    return WIDTHS.get(declared, "<i8") if isinstance(declared, str) else "<i8"
 
 
 @settings(max_examples=300, deadline=None)
@@ -168,27 +174,32 @@ def test_mutated_metadata_loads_right_or_fails_with_our_errors_inside_the_checkp
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_a_mutated_column_element_loads_right_or_fails_with_our_errors(valid, tmp_path, data):
-    """One element of a version-2 column set to a hostile value, dropped or added: the columns are
-    checked as wholes, so a value no single-field check would see must still be refused."""
+    """One element of a column set to a hostile value, dropped or added, or the column's declared
+    type changed: the columns are checked as wholes, so a value no single-field check would see
+    must still be refused."""
     FileAudit.install()
     work = tmp_path / "c"
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(valid, work)
     raw = json.loads((work / "metadata.json").read_text())
-    table, types = data.draw(st.sampled_from([("tensors", TENSOR_COLUMNS), ("boxes", BOX_COLUMNS)]))
-    name = data.draw(st.sampled_from(sorted(types)))
-    info = np.iinfo(types[name])
-    column = np.frombuffer(base64.b64decode(raw[table][name]), dtype=types[name]).copy()
-    value = data.draw(st.sampled_from([info.min, info.max, 0, 1, -1 % (info.max + 1) if info.min == 0 else -1])
-                      | st.integers(int(info.min), int(info.max)))
-    kind = data.draw(st.sampled_from(["set", "drop", "add"]))
-    if kind == "set" and len(column):
-        column[data.draw(st.integers(0, len(column) - 1))] = value
-    elif kind == "drop":
-        column = column[:-1]
+    table, names = data.draw(st.sampled_from([("tensors", TENSOR_COLUMNS), ("boxes", BOX_COLUMNS)]))
+    name = data.draw(st.sampled_from(sorted(names)))
+    if data.draw(st.booleans()):  # its bytes read as another type
+        raw["column_types"][table][name] = data.draw(st.sampled_from(sorted(WIDTHS) + ["int8", "float32", 8, None]))
     else:
-        column = np.append(column, np.array([value], dtype=types[name]))
-    raw[table][name] = base64.b64encode(column.astype(types[name]).tobytes()).decode()
+        dtype = column_type(raw, table, name)
+        info = np.iinfo(dtype)
+        column = np.frombuffer(base64.b64decode(raw[table][name]), dtype=dtype).copy()
+        value = data.draw(st.sampled_from([info.min, info.max, 0, 1, -1 % (info.max + 1) if info.min == 0 else -1])
+                          | st.integers(int(info.min), int(info.max)))
+        kind = data.draw(st.sampled_from(["set", "drop", "add"]))
+        if kind == "set" and len(column):
+            column[data.draw(st.integers(0, len(column) - 1))] = value
+        elif kind == "drop":
+            column = column[:-1]
+        else:
+            column = np.append(column, np.array([value], dtype=dtype))
+        raw[table][name] = base64.b64encode(column.astype(dtype).tobytes()).decode()
     (work / "metadata.json").write_text(json.dumps(raw))
     try:  # decoding refuses it, or every entry it accepted can be built
         list(decode_metadata((work / "metadata.json").read_bytes()).tensors.values())
@@ -197,6 +208,18 @@ def test_a_mutated_column_element_loads_right_or_fails_with_our_errors(valid, tm
     FileAudit.escapes = []
     load_outcome(work)
     assert FileAudit.escapes == [], FileAudit.escapes
+
+
+@pytest.mark.parametrize("table,name,declared", [("boxes", "offset", "float32"), ("boxes", "crc32c", "uint16"),
+                                                   ("tensors", "shape", None), ("boxes", "lengths", "uint64")])
+def test_a_column_type_outside_the_format_is_a_metadata_error(valid, table, name, declared):
+    raw = json.loads((valid / "metadata.json").read_text())
+    raw["column_types"][table][name] = declared
+    with pytest.raises(cp.MetadataError, match=f"column_types.{table}.{name} must be"):
+        decode_metadata(json.dumps(raw).encode())
+    del raw["column_types"]
+    with pytest.raises(cp.MetadataError, match="column_types must be an object"):
+        decode_metadata(json.dumps(raw).encode())
 
 
 @pytest.mark.parametrize("table,name,values", [
@@ -208,11 +231,12 @@ def test_a_mutated_column_element_loads_right_or_fails_with_our_errors(valid, tm
 ])
 def test_column_values_that_would_overflow_are_metadata_errors(valid, table, name, values):
     raw = json.loads((valid / "metadata.json").read_text())
-    width = len(np.frombuffer(base64.b64decode(raw[table][name]), dtype=(TENSOR_COLUMNS | BOX_COLUMNS)[name]))
+    width = len(np.frombuffer(base64.b64decode(raw[table][name]), dtype=column_type(raw, table, name)))
     if values == "wrap":
-        boxes = len(np.frombuffer(base64.b64decode(raw["boxes"]["file"]), dtype="<u4"))
+        boxes = len(np.frombuffer(base64.b64decode(raw["boxes"]["file"]), dtype=column_type(raw, "boxes", "file")))
         values = [2**63 - 1, 2**63 - 1, boxes + 2] + [0] * (width - 3)  # 2**64 + boxes
     raw[table][name] = base64.b64encode(np.array(values[:width], dtype="<i8").tobytes()).decode()
+    raw["column_types"][table][name] = "int64"
     with pytest.raises(cp.MetadataError):
         decode_metadata(json.dumps(raw).encode())
 
@@ -270,7 +294,7 @@ def test_forged_extents_and_corrupt_compressed_chunks_load_right_or_fail_with_ou
     if data.draw(st.booleans()):
         raw = json.loads((work / "metadata.json").read_text())
         name = data.draw(st.sampled_from(sorted(PACKED_COLUMNS)))
-        dtype = PACKED_COLUMNS[name]
+        dtype = column_type(raw, "boxes", name)
         column = np.frombuffer(base64.b64decode(raw["boxes"][name]), dtype=dtype).copy()
         value = data.draw(st.integers(int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)) | st.sampled_from([0, 1, 3]))
         kind = data.draw(st.sampled_from(["set", "drop", "add"]))

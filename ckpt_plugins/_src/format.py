@@ -21,8 +21,9 @@ from .errors import MetadataError, UnsafePathError
 FORMAT_NAME = "ckpt_plugins"
 # 1: tables as JSON objects (still read); 2: as columns (format_v2); 3: weights stored as their
 # fp32 masters' cast (`Metadata.casts`); 4: boxes stored compressed, chunk by chunk (`codec`), or as
-# deltas against an earlier checkpoint (`Metadata.delta`)
-FORMAT_VERSION = 4
+# deltas against an earlier checkpoint (`Metadata.delta`); 5: each column in its narrowest width
+# (`format_v2.WIDTHS`)
+FORMAT_VERSION = 5
 METADATA_FILE = "metadata.json"
 DATA_DIR = "data"
 # Checksums cover fixed-size chunks of each stored item, so a partial (byte-range) read still

@@ -1,4 +1,4 @@
-"""Format version 2: the tensor and box tables as columns.
+"""Format version 2: the tensor and box tables as columns (version 5: each in its narrowest width).
 
 A checkpoint of a large job has hundreds of thousands of boxes and millions of chunk checksums.
 Version 1 spelled each box as a JSON object, so decoding one cost seconds per rank. Version 2
@@ -19,13 +19,17 @@ import numpy as np
 from .errors import MetadataError
 from .format import StoredBox, TensorMeta, check_relative_path, dtype_from_name, need, require_int
 
-# column -> element type; the tensor table has one row per tensor, the box table one per box
+# column -> element type up to version 4; the tensor table has one row per tensor, the box table
+# one per box
 TENSOR_COLUMNS = {"dtype": "<u1", "ndim": "<u1", "shape": "<i8", "boxes": "<i8"}
 BOX_COLUMNS = {"file": "<u4", "offset": "<i8", "nbytes": "<i8", "offsets": "<i8", "lengths": "<i8",
                "crc32c": "<u4"}
 # version 4's compressed boxes: each box's grouping (0: stored plainly), whether it is a delta, each
 # of a compressed box's chunks' stored bytes
 PACKED_COLUMNS = {"group": "<u1", "delta": "<u1", "packed": "<u4"}
+# From version 5 on, each column but `crc32c` is stored in the narrowest of these that holds its
+# values, named in `column_types`: most values of a large job's tables fit in 32 bits or fewer.
+WIDTHS = {"uint8": "<u1", "uint16": "<u2", "uint32": "<u4", "int64": "<i8"}
 GROUPS = (1, 2, 4, 8, 16)
 _MAX_ELEMENTS = 1 << 53  # a tensor's elements: float64 products of its dims stay exact below this
 
@@ -51,13 +55,27 @@ def encode_tables(tensors: Dict[str, TensorMeta], files: Dict[str, int]) -> dict
             b["group"].append(box.group)
             b["delta"].append(int(box.delta))
             b["packed"].extend(box.packed)
+    types = {"tensors": {}, "boxes": {}}
     return {"files": [[name, size] for name, size in files.items()], "dtypes": list(dtypes),
-            "keys": list(tensors), "tensors": _encoded(t, TENSOR_COLUMNS),
-            "boxes": _encoded(b, {**BOX_COLUMNS, **PACKED_COLUMNS})}
+            "keys": list(tensors), "column_types": types, "tensors": _encoded(t, types["tensors"]),
+            "boxes": _encoded(b, types["boxes"])}
 
 
 def _encoded(values: Dict[str, list], types: Dict[str, str]) -> Dict[str, str]:
-    return {c: base64.b64encode(np.asarray(values[c], dtype=types[c]).tobytes()).decode() for c in types}
+    """Each column as base64, in the narrowest width that holds it (its name put in `types`)."""
+    out = {}
+    for c, column in values.items():
+        array = np.asarray(column, dtype=np.int64)
+        types[c] = "uint32" if c == "crc32c" else _narrowest(array)
+        out[c] = base64.b64encode(array.astype(WIDTHS[types[c]]).tobytes()).decode()
+    return out
+
+
+def _narrowest(array: np.ndarray) -> str:
+    if array.size and int(array.min()) < 0:
+        return "int64"
+    top = int(array.max()) if array.size else 0
+    return next(name for name, t in WIDTHS.items() if top <= np.iinfo(t).max)
 
 
 def decode_tables(raw: dict, chunk_bytes: int, version: int) -> Tuple["TensorTable", Dict[str, int]]:
@@ -72,14 +90,33 @@ def decode_tables(raw: dict, chunk_bytes: int, version: int) -> Tuple["TensorTab
     itemsizes = np.array([dtype_from_name(d).itemsize for d in dtypes] + [0], dtype=np.int64)
     keys = raw.get("keys")
     need(isinstance(keys, list) and set(map(type, keys)) <= {str}, "keys must be a list of strings")
-    t = _decoded(raw.get("tensors"), TENSOR_COLUMNS, "tensors")
-    b = _decoded(raw.get("boxes"), {**BOX_COLUMNS, **(PACKED_COLUMNS if version >= 4 else {})}, "boxes")
+    if version >= 5:
+        tensor_types, box_types = _column_types(raw.get("column_types"))
+    else:
+        tensor_types, box_types = TENSOR_COLUMNS, {**BOX_COLUMNS, **(PACKED_COLUMNS if version >= 4 else {})}
+    t = _decoded(raw.get("tensors"), tensor_types, "tensors")
+    b = _decoded(raw.get("boxes"), box_types, "boxes")
     if version < 4:  # every box stored plainly
         b["group"], b["packed"] = np.zeros(len(b["file"]), dtype=np.int64), np.zeros(0, dtype=np.int64)
         b["delta"] = b["group"]
     rows = _Rows(t, b, len(keys), len(dtypes), chunk_bytes)
     _check_boxes(rows, b, itemsizes, np.array(list(files.values()) + [0], dtype=np.int64), len(files))
     return TensorTable(keys, dtypes, list(files), rows), files
+
+
+def _column_types(raw) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """Version 5's `column_types`: each column's element type, one of `WIDTHS` (`crc32c`: uint32)."""
+    need(isinstance(raw, dict), "column_types must be an object")
+    out = []
+    for table, columns in (("tensors", TENSOR_COLUMNS), ("boxes", {**BOX_COLUMNS, **PACKED_COLUMNS})):
+        types = raw.get(table)
+        need(isinstance(types, dict), f"column_types.{table} must be an object")
+        for name in columns:
+            need(types.get(name) in WIDTHS, f"column_types.{table}.{name} must be one of {', '.join(WIDTHS)}")
+        if table == "boxes":  # decoded a range at a time (`Checksums`)
+            need(types["crc32c"] == "uint32", "column_types.boxes.crc32c must be uint32")
+        out.append({name: WIDTHS[types[name]] for name in columns})
+    return out[0], out[1]
 
 
 def _decoded(raw, types: Dict[str, str], what: str) -> Dict[str, np.ndarray]:

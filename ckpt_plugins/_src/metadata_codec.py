@@ -2,8 +2,8 @@
 
 The envelope (format marker, version, step, layout, objects, aliases) is the same JSON in every
 version; the tensor and file tables are version 1's JSON objects (`format_v1`) or version 2's
-columns (`format_v2`, also version 3's, which adds `casts`, and version 4's, which adds the
-compressed boxes' columns).
+columns (`format_v2`, also version 3's, which adds `casts`, version 4's, which adds the
+compressed boxes' columns, and version 5's, which stores each column in its narrowest width).
 """
 from __future__ import annotations
 
