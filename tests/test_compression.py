@@ -20,7 +20,7 @@ import ckpt_plugins as cp
 from ckpt_plugins._src import codec
 from ckpt_plugins._src.engine.pace import Pace, worth_compressing
 from ckpt_plugins._src.format import CHUNK_BYTES
-from ckpt_plugins.ext import LoadItems, box_fragment
+from ckpt_plugins.ext import LazyFragment, LoadItems, box_fragment, write_checkpoint
 from distributed import run_ranks
 
 BCP = os.path.join(os.path.dirname(sys.executable), "bcp")
@@ -93,6 +93,45 @@ def test_a_few_rows_decompress_only_the_chunks_they_lie_in(saved, monkeypatch):
         cp.load(saved, {"t": {"fp32": Rows((1100, 1024), first, target)}}, strict=False)
         assert torch.equal(target, want[first:first + count]), first
         assert len(seen) == chunks, (first, seen)
+
+
+def test_a_checkpoint_of_more_chunks_than_the_format_keeps_small_has_bigger_ones(tmp_path, monkeypatch):
+    """Past `MAX_CHUNKS` chunks (2 TiB of 1 MiB ones), a checkpoint's chunks double until it has
+    no more; here at 4: 14 MiB saves in 4 MiB chunks. Checksums, compressed boxes, a few rows'
+    read, `bcp verify` and the offline writer all follow the recorded size; a delta on a base of
+    other chunks stores everything."""
+    from ckpt_plugins._src import format as fmt
+    assert [fmt.chunk_bytes_for(n << 40) >> 20 for n in (1, 2, 3, 8, 9)] == [1, 1, 2, 4, 8]
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(3072, 1024, generator=g),  # 12 MiB
+             "b": (torch.randn(1024, 1024, generator=g) * 0.02).to(torch.bfloat16)}
+    small = cp.Checkpointer(compress=True)  # a plan, with its chunk, holds while the state's structure does
+    small.save(tmp_path / "small", state)
+    small.close()
+    monkeypatch.setattr(fmt, "MAX_CHUNKS", 4)
+    big = cp.Checkpointer(compress=True)
+    big.save(tmp_path / "big", state, delta_from=tmp_path / "small")
+    meta = cp.read_metadata(tmp_path / "big")
+    w, b = meta.tensors["w"].boxes[0], meta.tensors["b"].boxes[0]
+    assert meta.chunk_bytes == 4 << 20 and meta.delta is None and not w.delta, meta.chunk_bytes
+    assert len(w.crc32c) == 3 and len(b.crc32c) == 1 and b.group == 2 and len(b.packed) == 1
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    cp.load(tmp_path / "big", got)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    rows = torch.zeros(4, 1024)
+    result = cp.load(tmp_path / "big", {"w": Rows((3072, 1024), 1030, rows)}, strict=False)  # in chunk 2 of 3
+    assert torch.equal(rows, state["w"][1030:1034]) and result.read_bytes == 4 << 20, result.read_bytes
+    assert subprocess.run([BCP, "verify", tmp_path / "big"], capture_output=True, timeout=120).returncode == 0
+    big.save(tmp_path / "delta", state, delta_from=tmp_path / "big")  # same chunks: a delta
+    big.close()
+    meta = cp.read_metadata(tmp_path / "delta")
+    assert meta.delta is not None and meta.tensors["w"].boxes[0].packed == [0, 0, 0]
+    cp.load(tmp_path / "delta", got)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    write_checkpoint(tmp_path / "offline", [LazyFragment(k, v.shape, v.dtype, (0,) * v.dim(), v.shape, lambda v=v: v)
+                                            for k, v in state.items()])  # the offline writer (bcp import-*)
+    assert cp.read_metadata(tmp_path / "offline").chunk_bytes == 4 << 20
+    assert subprocess.run([BCP, "verify", tmp_path / "offline"], capture_output=True, timeout=120).returncode == 0
 
 
 def test_tools_show_verify_and_diff_compressed_checkpoints(saved, tmp_path):

@@ -15,7 +15,7 @@ from typing import Dict, Optional, Tuple
 
 from .base_ref import BaseRef, digest, relative, resolve
 from .committed import read_metadata
-from .format import CHUNK_BYTES, DeltaRef, Metadata, StoredItem
+from .format import DeltaRef, Metadata, StoredItem
 from .storage import Storage, storage_for
 
 log = logging.getLogger("ckpt_plugins")
@@ -71,10 +71,6 @@ def start(storage: Storage, base_path, max_chain: int) -> Tuple[Optional[Base], 
     base_storage = storage_for(base_path)
     metadata = read_metadata(base_storage)
     depth = (metadata.delta.depth if metadata.delta is not None else 0) + 1
-    if metadata.chunk_bytes != CHUNK_BYTES:  # chunks XOR with chunks of the same bytes
-        log.info("%s: its base %s has chunks of %d bytes; storing everything instead", storage, base_path,
-                 metadata.chunk_bytes)
-        return None, None
     if depth > max_chain:
         log.info("%s: a delta on %s would make a chain of %d; storing everything instead (max_chain=%d)",
                  storage, base_path, depth, max_chain)

@@ -29,6 +29,9 @@ DATA_DIR = "data"
 # Checksums cover fixed-size chunks of each stored item, so a partial (byte-range) read still
 # verifies every byte it uses while reading at most one extra chunk at each end.
 CHUNK_BYTES = 1 << 20
+# A checkpoint of more chunks than this has bigger ones (`chunk_bytes_for`): its checksums would
+# otherwise be most of its metadata, which every host reads and decodes on every load.
+MAX_CHUNKS = 1 << 21
 
 # The state keys under which checkpoints move between frameworks: `model/<param>` holds weights in
 # the training dtype, `optim/<param>/<state>` the optimizer's, and `optim/<param>/master` the fp32
@@ -70,6 +73,15 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def crc32c_of(data) -> int:
     return _crc32c.crc32c(data)
+
+
+def chunk_bytes_for(total: int) -> int:
+    """The chunk of a checkpoint of `total` bytes: `CHUNK_BYTES`, doubled until it has at most
+    about `MAX_CHUNKS` chunks (2 TiB and less: 1 MiB)."""
+    chunk = CHUNK_BYTES
+    while total > chunk * MAX_CHUNKS:
+        chunk *= 2
+    return chunk
 
 
 def chunk_checksums(data, chunk: int = CHUNK_BYTES) -> List[int]:

@@ -77,7 +77,7 @@ def _write_all(commit: Commit, fragments, plan, encoded, placed, obj_sizes, obj_
                                      f"{tuple(frag.lengths)} {frag.dtype}")
                 data = _bytes(sub_view(tensor, frag.offsets, write.box))
                 out.write_at(offset, data)
-                entry.crc32c = chunk_checksums(data)
+                entry.crc32c = chunk_checksums(data, plan.metadata.chunk_bytes)
                 if progress:
                     progress(len(data))
     object_meta: Dict[str, List[ObjectMeta]] = {}
@@ -86,7 +86,8 @@ def _write_all(commit: Commit, fragments, plan, encoded, placed, obj_sizes, obj_
             for (key, encoding, data), (file, offset) in sorted(zip(encoded, placed), key=lambda x: x[1][1]):
                 out.write_at(offset, data)
                 object_meta[key] = [ObjectMeta(file=file, offset=offset, nbytes=len(data),
-                                               crc32c=chunk_checksums(data), encoding=encoding)]
+                                               crc32c=chunk_checksums(data, plan.metadata.chunk_bytes),
+                                               encoding=encoding)]
         files.update(obj_sizes)
     metadata = Metadata(tensors=plan.metadata.tensors, objects=dict(sorted(object_meta.items())),
                         files=dict(sorted(files.items())), aliases=plan.metadata.aliases, framework=framework,

@@ -17,8 +17,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .errors import LoadMismatchError
 from .gcpause import gc_paused
-from .format import (CAST_DTYPES, CHUNK_BYTES, DATA_DIR, MODEL, Metadata, StoredBox, TensorMeta, dtype_from_name,
-                     dtype_name, master_key)
+from .format import (CAST_DTYPES, DATA_DIR, MODEL, Metadata, StoredBox, TensorMeta, chunk_bytes_for,
+                     dtype_from_name, dtype_name, master_key)
 from .fragment import Box, Shape, flat_offset, intersect
 from .hostmem import DIRECT_MIN, PAGE
 
@@ -341,7 +341,8 @@ def _place(assigned: List[_RankWrites], load: "LeastLoaded",
     for meta in metas.values():
         meta.boxes.sort(key=lambda b: b.offsets)
     metadata = Metadata(tensors=dict(sorted(metas.items())), objects={}, files=dict(sorted(files.items())),
-                        aliases=dict(aliases or {}), world_size=len(assigned), chunk_bytes=CHUNK_BYTES)
+                        aliases=dict(aliases or {}), world_size=len(assigned),
+                        chunk_bytes=chunk_bytes_for(sum(load.load)))
     return SavePlan(writes=writes, stored=stored, metadata=metadata, rank_bytes=load.load)
 
 

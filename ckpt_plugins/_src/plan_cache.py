@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from .coordinator import Coordinator
 from .errors import SaveError
 from .failure import RankFailure, failure_error
+from .format import CHUNK_BYTES
 from .plan import Run, SavePlan, TensorSpec, WriteItem, assign_objects, plan_save, spec_runs
 
 
@@ -35,6 +36,7 @@ class CachedPlan:
     objects: List[str]  # the replicated objects this rank writes
     plan: Optional[SavePlan]  # the coordinator's global plan (None elsewhere)
     balance: float
+    chunk: int = CHUNK_BYTES  # the checkpoint's checksum chunk (`format.chunk_bytes_for`)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class PlanReply:
     writes: List[WriteItem]
     objects: List[str] = field(default_factory=list)
     balance: float = 1.0
+    chunk: int = CHUNK_BYTES
 
 
 class PlanCache:
@@ -114,13 +117,14 @@ class PlanCache:
                                  aliases={k: v for g in gathered for k, v in g.aliases.items()},
                                  digests=[g.runs for g in gathered], casts=all(g.casts for g in gathered))
                 objects = assign_objects([g.objects for g in gathered])
-                replies = [PlanReply(None, w, o, plan.balance) for w, o in zip(plan.writes, objects)]
+                replies = [PlanReply(None, w, o, plan.balance, plan.metadata.chunk_bytes)
+                           for w, o in zip(plan.writes, objects)]
             except Exception as exc:
                 replies = [PlanReply(RankFailure.of(coord.rank, exc), [])] * coord.world_size
         reply: PlanReply = coord.scatter(replies)
         if reply.failure is not None:
             raise failure_error([reply.failure], f"planning {what}", then, SaveError)
-        self.cached = CachedPlan(key, reply.writes, reply.objects, plan, reply.balance)
+        self.cached = CachedPlan(key, reply.writes, reply.objects, plan, reply.balance, reply.chunk)
         return Agreed(self.cached, False, generation)
 
 

@@ -100,8 +100,13 @@ class Contents:
     def staged(self, storage: Optional[Storage], cached: CachedPlan, compress: Union[bool, str] = False,
                base: Optional[delta.Base] = None) -> "Staged":
         """What this rank writes, as views of the live fragments and the encoded objects; with a
-        delta's `base`, each box it holds alike as a delta against it."""
+        delta's `base`, each box it holds alike as a delta against it (when its chunks are the
+        plan's: chunks XOR with chunks of the same bytes; else the save stores everything)."""
         frags, objects = self.fragments, self.objects(cached.objects)
+        if base is not None and base.metadata.chunk_bytes != cached.chunk:
+            log.info("%s: its base %s has chunks of %d bytes, this save %d; storing everything instead", storage,
+                     base.storage, base.metadata.chunk_bytes, cached.chunk)
+            base = None
         placed, _ = place([len(o.encoded.data) for o in objects], [f"{DATA_DIR}/r{self.rank}-objects.bin"])
 
         def item(w) -> StageItem:
@@ -112,7 +117,7 @@ class Contents:
 
         job = StagedWrite(storage, [item(w) for w in cached.writes] +
                           [StageItem(at.file, at.offset, o.encoded.data) for o, at in zip(objects, placed)],
-                          compress=compress)
+                          compress=compress, chunk=cached.chunk)
         return Staged(job, objects, placed)
 
 

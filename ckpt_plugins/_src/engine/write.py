@@ -68,11 +68,12 @@ class WriteResult:
 class StagedWrite:
     """One rank's share of a save: snapshot into a staging buffer, then write every file from it
     (`compress`: each tensor's chunks compressed where that shrinks them; "auto": where that also
-    shortens the commit, as `pace` measures it)."""
-    chunk = CHUNK_BYTES  # the checksums' and the compression's unit
+    shortens the commit, as `pace` measures it). `chunk`: the checksums' and the compression's
+    unit, the checkpoint's `chunk_bytes`."""
 
-    def __init__(self, storage: Storage, items: Sequence[StageItem], compress: Union[bool, str] = False):
-        self.storage, self.items, self.compress = storage, list(items), compress
+    def __init__(self, storage: Storage, items: Sequence[StageItem], compress: Union[bool, str] = False,
+                 chunk: int = CHUNK_BYTES):
+        self.storage, self.items, self.compress, self.chunk = storage, list(items), compress, chunk
         self.packs = bool(compress) or any(item.base is not None for item in self.items)  # else written as staged
         self.sizes: Dict[str, int] = {}
         for item in self.items:
