@@ -4,11 +4,11 @@ ones zstd-compressed, the low ones as they are.
 The sign and exponent bytes of floating-point tensors carry a few bits of entropy each and the low
 mantissa bytes close to eight: apart, zstd codes the first in a few bits, where interleaved they
 compress hardly at all; the low bytes are not worth zstd's time. So a chunk (the checksum chunk:
-the checkpoint's `chunk_bytes` of the item's bytes) is stored as its bytes grouped by position, most significant
-first, with a leading part of that (a float's top byte, an integer's every byte) as one zstd frame
-and the rest as it is: the frame says how long its part is, so reading needs nothing more. A read
-of a few rows decompresses only the chunks it touches; checksums cover the bytes as loaded. Pure:
-no I/O.
+the checkpoint's `chunk_bytes` of the item's bytes) is stored as its bytes grouped by position,
+most significant first, with a leading part of that (a float's top byte, an integer's every byte)
+as one zstd frame and the rest as it is: the frame says how long its part is, so reading needs
+nothing more. A read of a few rows decompresses only the chunks it touches; checksums cover the
+bytes as loaded. Pure: no I/O.
 """
 from __future__ import annotations
 
