@@ -176,11 +176,11 @@ def test_metadata_is_versioned_plain_json(tmp_path):
     assert raw["format"] == "ckpt_plugins" and raw["version"] == 5 and raw["step"] == 7
     # the tensor table's columns, read as the format specification says, with numpy alone: each
     # in the narrowest width its values fit (shape: 16, and the others' dims, in a byte)
+    names = ("ndim", "shape", "dtype")
     types = raw["column_types"]["tensors"]
-    assert {name: types[name] for name in ("ndim", "shape", "dtype")} == {"ndim": "uint8", "shape": "uint8",
-                                                                          "dtype": "uint8"}
+    assert [types[name] for name in names] == ["uint8"] * 3
     column = {name: np.frombuffer(base64.b64decode(raw["tensors"][name]), dtype=np.dtype(types[name]).newbyteorder("<"))
-              for name in ("ndim", "shape", "dtype")}
+              for name in names}
     i = raw["keys"].index("model/norm.weight")
     start = int(column["ndim"][:i].sum())
     assert column["shape"][start:start + column["ndim"][i]].tolist() == [16]

@@ -65,9 +65,13 @@ def _encoded(values: Dict[str, list], types: Dict[str, str]) -> Dict[str, str]:
     """Each column as base64, in the narrowest width that holds it (its name put in `types`)."""
     out = {}
     for c, column in values.items():
-        array = np.asarray(column, dtype=np.int64)
-        types[c] = "uint32" if c == "crc32c" else _narrowest(array)
-        out[c] = base64.b64encode(array.astype(WIDTHS[types[c]]).tobytes()).decode()
+        if c == "crc32c":  # always uint32 (`Checksums`), and most of the values: converted once
+            types[c], array = "uint32", np.asarray(column, dtype=WIDTHS["uint32"])
+        else:
+            array = np.asarray(column, dtype=np.int64)
+            types[c] = _narrowest(array)
+            array = array.astype(WIDTHS[types[c]], copy=False)
+        out[c] = base64.b64encode(array.tobytes()).decode()
     return out
 
 
