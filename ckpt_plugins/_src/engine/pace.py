@@ -1,7 +1,7 @@
 """Whether compressing shortens a save's commit (`compress="auto"`), judged from what this save's
 writers measure as they go: how long storage takes per byte (the writers share it), and per kind
-of element (its size and the bytes compressed) how long a writer takes to compress a byte and
-how much that saves.
+of element (its size and the bytes compressed) how much CPU time a writer takes to compress a
+byte and how much that saves.
 
 Each writer thread compresses and writes one after the other, while the others may be writing:
 compressed, a save's bytes take storage's time for what is left and the writers' time to

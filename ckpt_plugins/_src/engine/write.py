@@ -461,9 +461,12 @@ class _PackedFile(_FileItems):
                 self.busy += time.time() - t
                 return
         self.packer = self.packer or Packer()
+        cpu = time.thread_time()
         frame = self.packer.pack(data, out.group, self.items[index].head)
-        seconds = time.time() - t
-        self.busy += seconds
+        # the pace is measured in this thread's CPU time: waits for the GIL or a core are not
+        # the compressing's cost, and one chunk's measure decides a kind's
+        seconds = time.thread_time() - cpu
+        self.busy += time.time() - t
         stored = data if frame is None else frame
         if not out.delta:
             if frame is None and index not in self.tried:  # the first chunk tried did not pay:
