@@ -36,7 +36,8 @@ from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
 from ckpt_plugins._src.fragment import flat_views
 from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request, _spec_list, _wanted
 from ckpt_plugins._src.saving import WriteReport
-from ckpt_plugins._src.plan import TensorSpec, data_file_names, assign_transfers, plan_load, plan_save, read_request, runs_of, spec_runs
+from ckpt_plugins._src.plan import TensorSpec, data_file_names, plan_load, plan_save, runs_of, spec_runs
+from ckpt_plugins._src.read_once import RankReads, assign_transfers, read_request
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 8192, 28672, 80, 64, 8, 32000
 TP, PP = 8, 8
@@ -226,14 +227,15 @@ def run(layout, world: int) -> dict:
     def local_plan(c, metadata):  # what one rank does for itself: its reads and their runs
         reads = plan_load(metadata, templates[c]).reads
         requests = [read_request(r) for r in reads]
-        return requests, runs_of([r.key for r in reads], requests)
+        table = {f: i for i, f in enumerate(metadata.files)}
+        return RankReads.of(requests, table), runs_of([r.key for r in reads], requests)
 
-    part_plans = {}
+    part_plans, tables = {}, {}
 
     def local_plan_by_parts(c, metadata):
         """The same, a part at a time: replicas share theirs. Equal to `local_plan` when each part
         holds whole runs (one top-level key per part, as the layouts' parts do)."""
-        requests, runs = [], []
+        requests, runs = [], []  # RankReads.of(requests), as `local_plan` returns them
         for part in parts[c]:
             if id(part) not in part_plans:
                 reads = plan_load(metadata, part).reads
@@ -241,10 +243,11 @@ def run(layout, world: int) -> dict:
                 part_plans[id(part)] = mine, runs_of([r.key for r in reads], mine)
             requests += part_plans[id(part)][0]
             runs += part_plans[id(part)][1]
-        return requests, runs
+        return RankReads.of(requests, tables.setdefault(id(metadata), {f: i for i, f in enumerate(metadata.files)})), runs
 
     def load_plan(rank=None):  # the read-once assignment over every rank's requests (each rank runs it)
-        return assign_transfers([requests[c][0] for c in coords], [requests[c][1] for c in coords], rank)
+        return assign_transfers([requests[c][0] for c in coords], list(decoded.files), [requests[c][1] for c in coords],
+                                rank)
 
     stage("save plan")
     t0 = time.perf_counter()
@@ -273,7 +276,10 @@ def run(layout, world: int) -> dict:
         decode_metadata(v1)
         t_parse_v1 = time.perf_counter() - t0
         del v1
-    assert local_plan(coords[-1], decoded) == local_plan_by_parts(coords[-1], decoded)
+    (whole, whole_runs), (by_parts, by_parts_runs) = local_plan(coords[-1], decoded), local_plan_by_parts(coords[-1], decoded)
+    files = list(decoded.files)
+    assert whole_runs == by_parts_runs and [whole.request(i, files) for i in range(len(whole))] == [
+        by_parts.request(i, files) for i in range(len(by_parts))]
     stage("every rank's load plan")
     requests = {c: local_plan_by_parts(c, decoded) for c in templates}
     part_plans.clear()

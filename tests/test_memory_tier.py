@@ -329,11 +329,13 @@ def test_recovery_takes_the_newest_step_complete_on_the_survivors():
 
 
 def test_an_item_no_needer_can_read_is_read_by_a_rank_that_can():
-    from ckpt_plugins._src.plan import ReadRequest, assign_transfers
+    from ckpt_plugins._src.read_once import RankReads, ReadRequest, assign_transfers
+    assign = lambda requests, **kw: assign_transfers([RankReads.of(r, {"data/r2-0.bin": 0}) for r in requests],  # noqa: E731
+                                                     ["data/r2-0.bin"], **kw)
     box = ((0,), (4,))
     requests = [[], [ReadRequest("data/r2-0.bin", 0, 0, 16, (box,))]]
-    transfer = assign_transfers(requests, readers=lambda f: (0,)).transfers[("data/r2-0.bin", 0)]
+    transfer = assign(requests, readers=lambda f: (0,)).transfers[("data/r2-0.bin", 0)]
     assert (transfer.reader, transfer.needers, transfer.wants) == (0, (1,), ((box,),))
-    assert assign_transfers(requests).transfers == {}  # any rank can read it: its needer does
+    assert assign(requests).transfers == {}  # any rank can read it: its needer does
     with pytest.raises(cp.LoadMismatchError, match="no rank of this job can read it"):
-        assign_transfers(requests, readers=lambda f: ())
+        assign(requests, readers=lambda f: ())

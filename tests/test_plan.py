@@ -94,36 +94,45 @@ def test_big_replicated_boxes_are_split_across_their_holders():
     assert len(plan_save([[big]]).metadata.tensors["emb"].boxes) == 1  # one holder: nothing to split
 
 
+def assign(requests, *args, **kwargs):
+    """The read-once assignment of each rank's list of `ReadRequest`s."""
+    from ckpt_plugins._src.read_once import RankReads, assign_transfers
+    files = sorted({r.file for reqs in requests for r in reqs})
+    return assign_transfers([RankReads.of(r, {f: i for i, f in enumerate(files)}) for r in requests], files,
+                            *args, **kwargs)
+
+
 def test_read_once_assignment_reads_every_shared_range_once():
-    from ckpt_plugins._src.plan import ReadRequest as R, assign_transfers
+    from ckpt_plugins._src.read_once import ReadRequest as R
     rows = lambda a, n: (((a, 0), (n, 4)),)  # the regions a rank wants from a stored (25, 4) box
     reqs = [[R("f", 0, 0, 100, rows(0, 25)), R("f", 200, 0, 50, rows(0, 12))], [R("f", 0, 0, 60, rows(0, 15))],
             [R("f", 0, 40, 100, rows(10, 15))], [R("g", 0, 0, 8, rows(0, 2))]]
-    out = assign_transfers(reqs)
+    out = assign(reqs)
     assert set(out.transfers) == {("f", 0)} and out.shared == 1  # items one rank needs stay with that rank
     t = out.transfers[("f", 0)]
     assert (t.start, t.end, t.needers) == (0, 100, (0, 1, 2)) and t.reader in (1, 2)  # rank 0 reads more already
     assert t.wants == (rows(0, 25), rows(0, 15), rows(10, 15))  # what the reader sends each needer
-    assert assign_transfers(reqs, rank=3).transfers == {} and assign_transfers(reqs, rank=3).shared == 1
-    assert assign_transfers(reqs, rank=1).transfers == out.transfers
+    assert assign(reqs, rank=3).transfers == {} and assign(reqs, rank=3).shared == 1
+    assert assign(reqs, rank=1).transfers == out.transfers
 
 
 def test_disjoint_ranges_of_one_stored_item_are_read_by_their_needers():
     """Row shards of one stored box (a foreign checkpoint's whole tensor): each rank reads its own
     rows, nothing is sent; an overlap makes the item shared again."""
-    from ckpt_plugins._src.plan import ReadRequest as R, assign_transfers
+    from ckpt_plugins._src.read_once import ReadRequest as R
     rows = lambda a, n: (((a, 0), (n, 4)),)  # noqa: E731
     apart = [[R("f", 0, 0, 48, rows(0, 3))], [R("f", 0, 48, 96, rows(3, 3))]]
-    assert assign_transfers(apart).transfers == {} and assign_transfers(apart).shared == 0
+    assert assign(apart).transfers == {} and assign(apart).shared == 0
     overlap = [[R("f", 0, 0, 64, rows(0, 4))], [R("f", 0, 48, 96, rows(3, 3))]]
-    assert assign_transfers(overlap).shared == 1
-    assert assign_transfers(apart, readers=lambda f: [0]).shared == 1  # rank 1 cannot read f: rank 0 sends
+    assert assign(overlap).shared == 1
+    assert assign(apart, readers=lambda f: [0]).shared == 1  # rank 1 cannot read f: rank 0 sends
 
 
 def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
     """Replicas request the same weights and each its own optimizer shard: handled by runs
     (`runs_of`), the assignment is the one made rank by rank."""
-    from ckpt_plugins._src.plan import ReadRequest as R, assign_transfers, runs_of
+    from ckpt_plugins._src.plan import runs_of
+    from ckpt_plugins._src.read_once import ReadRequest as R
     rows = lambda a, n: (((a, 0), (n, 4)),)  # noqa: E731
     weights = [R("w", 64 * i, 0, 64, rows(0, 4)) for i in range(3)]
     reqs = [weights + [R("o", 96 * r, 0, 32, rows(r, 1)), R("o", 96 * ((r + 1) % 4), 32, 64, rows(r, 1))]
@@ -131,16 +140,69 @@ def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
     keys = ["model/w"] * 3 + ["optim/o"] * 2
     runs = [runs_of(keys, r) for r in reqs]
     assert len({r[0] for r in runs}) == 1 and len({r[1] for r in runs}) == 4
-    by_runs, by_ranks = assign_transfers(reqs, runs), assign_transfers(reqs)
+    by_runs, by_ranks = assign(reqs, runs), assign(reqs)
     assert by_runs == by_ranks and by_runs.shared == 3  # each optimizer item's halves: read by their needers
     for rank in range(4):
-        assert assign_transfers(reqs, runs, rank).transfers == {
+        assert assign(reqs, runs, rank).transfers == {
             k: t for k, t in by_ranks.transfers.items() if rank in t.needers}
+
+
+def test_read_once_assignment_of_random_requests_keeps_its_rules():
+    """Random requests of 24 ranks (replicas' alike runs, row shards, overlapping ranges, files
+    some ranks cannot read), checked against the rules rather than against itself: an item is
+    shared unless each needer reads its own disjoint range of it and can read the file; a shared
+    item's reader is a needer that can read it (else a rank that can), reads the union of the
+    ranges, and sends each needer its regions; tags run largest first, then by item; runs give
+    the assignment made rank by rank; a rank sees the transfers it reads or needs."""
+    import random
+    from ckpt_plugins._src.plan import runs_of
+    from ckpt_plugins._src.read_once import ReadRequest as R
+    rnd = random.Random(7)
+    items = [(f"data/r{rnd.randrange(6)}-0.bin", 4096 * i) for i in range(60)]
+    weights = [R(f, o, 0, 4096, (((i, 0), (1, 8)),)) for i, (f, o) in enumerate(items[:12])]
+    reqs, keys = [], []
+    for r in range(24):
+        own = []
+        for f, o in rnd.sample(items[12:], 6):
+            a = rnd.randrange(0, 4096, 512)
+            own.append(R(f, o, a, rnd.randrange(a + 512, 4097, 512), (((r, o // 4096), (1, 1)),)))
+        reqs.append((weights if r % 4 else weights[:6]) + own)
+        keys.append(["model/w"] * (12 if r % 4 else 6) + ["optim/o"] * len(own))
+    cannot = {"data/r5-0.bin": (3, 4)}
+    readers = lambda f: cannot.get(f)  # noqa: E731
+    out = assign(reqs, readers=readers)
+    needs = {}
+    for r, rs in enumerate(reqs):
+        for q in rs:
+            needs.setdefault(q.item, []).append((r, q))
+    for item, users in needs.items():
+        can = cannot.get(item.file)
+        spans = sorted((q.start, q.end) for _, q in users)
+        apart = (all(can is None or r in can for r, _ in users)
+                 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])))
+        assert (item not in out.transfers) == apart, item
+        if not apart:
+            t = out.transfers[item]
+            assert t.needers == tuple(r for r, _ in users) and t.wants == tuple(q.regions for _, q in users)
+            assert (t.start, t.end) == (min(a for a, _ in spans), max(b for _, b in spans))
+            able = [r for r in t.needers if can is None or r in can]
+            assert t.reader in (able or can)
+    assert out.shared == len(out.transfers) > 12
+    by_tag = sorted(out.transfers.items(), key=lambda kv: kv[1].tag)
+    assert [t.tag for _, t in by_tag] == list(range(out.shared))
+    assert [(t.start - t.end, item) for item, t in by_tag] == sorted((t.start - t.end, item) for item, t in by_tag)
+    runs = [runs_of(k, q) for k, q in zip(keys, reqs)]  # needers come by run then: the same, reordered
+    same = lambda ts: {i: (t.reader, sorted(zip(t.needers, t.wants)), t.start, t.end, t.tag)  # noqa: E731
+                       for i, t in ts.items()}
+    assert len({r[0] for r in runs}) == 2 and same(assign(reqs, runs, readers=readers).transfers) == same(out.transfers)
+    for rank in (0, 3, 23):
+        assert same(assign(reqs, runs, rank, readers=readers).transfers) == same(
+            {i: t for i, t in out.transfers.items() if rank in t.needers or rank == t.reader})
 
 
 def test_read_regions_are_the_payload_layout_and_contiguous_ones_need_no_packing():
     from ckpt_plugins._src.engine.read import needs_packing
-    from ckpt_plugins._src.plan import read_regions
+    from ckpt_plugins._src.read_once import read_regions
     stored = plan_save([[spec("w", (4, 6), (0, 0), (4, 6))]]).metadata
     cols, (read,) = spec("w", (4, 6), (0, 2), (4, 2)), plan_load(stored, [spec("w", (4, 6), (1, 0), (2, 6))]).reads
     assert read_regions(read) == (((1, 0), (2, 6)),)

@@ -23,8 +23,8 @@ from .format import stored_entries
 from .host_share import HostMetadata
 from .fragment import Fragment
 from .errors import CheckpointError, LoadMismatchError
-from .plan import (LoadPlan, ReadItem, ReadRequest, Run, StoredItem, Transfer, assign_transfers, candidate_keys,
-                   plan_load, read_request, resolve_key, runs_of, specs_of)
+from .plan import LoadPlan, ReadItem, Run, candidate_keys, plan_load, resolve_key, runs_of, specs_of
+from .read_once import RankReads, StoredItem, Transfer, assign_transfers, read_request
 from .results import LoadResult
 from .state import LoadItems, root_handler
 from .storage import Storage
@@ -39,7 +39,7 @@ class LoadRequest:
     """What one rank tells the others before any data moves."""
     wanted: List[str] = field(default_factory=list)  # stored keys it uses
     missing: List[str] = field(default_factory=list)
-    reads: List[ReadRequest] = field(default_factory=list)  # for the read-once assignment
+    reads: RankReads = field(default_factory=lambda: RankReads.of([], {}))  # for the read-once assignment
     runs: List[Run] = field(default_factory=list)  # runs_of(reads): replicas' alike runs
     host: Optional[str] = None  # ranks of one host exchange through shared memory
     path: str = ""  # the checkpoint it loads: the same on every rank
@@ -113,8 +113,9 @@ class Load:
         request.wanted = sorted({resolve_key(metadata, k) for s in specs for k in candidate_keys(s)}
                                 | {s.key for s in specs} | set(items.objects) | set(items.per_rank) | items.accepted)
         request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects] + found
-        request.reads = [read_request(r) for r in plan.reads]
-        request.runs = runs_of([r.key for r in plan.reads], request.reads)
+        reads = [read_request(r) for r in plan.reads]
+        request.runs = runs_of([r.key for r in plan.reads], reads)
+        request.reads = RankReads.of(reads, {f: i for i, f in enumerate(metadata.files)})
         planned.append(time.time())
         recorder.add("plan", t, planned[0])
         return request
@@ -166,14 +167,13 @@ class Load:
 
     def _read(self, plan: LoadPlan, metadata, requests: List[LoadRequest]) -> int:
         coord = self.coord
-        assignment = assign_transfers([r.reads for r in requests], [r.runs for r in requests], coord.rank,
-                                      readers=self.storage.readers)
+        assignment = assign_transfers([r.reads for r in requests], list(metadata.files), [r.runs for r in requests],
+                                      coord.rank, readers=self.storage.readers)
         shared = assignment.transfers
-        mine = requests[coord.rank].reads
-        transfers = {i: shared[req.item] for i, req in enumerate(mine) if req.item in shared}
-        reads = plan.reads + _passed_on(metadata, shared, {req.item for req in mine}, coord.rank)
-        transfers.update({i: shared[StoredItem(r.stored.file, r.stored.offset)]
-                          for i, r in enumerate(reads) if i >= len(plan.reads)})
+        mine = {StoredItem(r.stored.file, r.stored.offset) for r in plan.reads}
+        reads = plan.reads + _passed_on(metadata, shared, mine, coord.rank)
+        transfers = {i: t for i, r in enumerate(reads)
+                     for t in [shared.get(StoredItem(r.stored.file, r.stored.offset))] if t is not None}
         hosts = [r.host for r in requests]
         if not (assignment.shared and self.shared_memory and any(h is not None and hosts.count(h) > 1 for h in hosts)):
             hosts = None

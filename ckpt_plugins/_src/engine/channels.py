@@ -19,7 +19,8 @@ import torch
 
 from .. import shm
 from ..fragment import Fragment, sub_view
-from ..plan import ReadItem, Transfer, read_regions
+from ..plan import ReadItem
+from ..read_once import Transfer, read_regions
 from ..telemetry import Recorder
 from .read import contiguous_destination, copy_out, payload_bytes, region_bytes
 

@@ -27,7 +27,8 @@ from .. import hostmem, shm
 from ..format import dtype_from_name
 from ..fragment import Fragment
 from ..hostmem import align_up
-from ..plan import ReadItem, Transfer
+from ..plan import ReadItem
+from ..read_once import Transfer
 from ..storage import Storage
 from ..telemetry import Recorder
 from .channels import Failures, GroupChannel, Incoming, SharedMemoryChannel

@@ -1,0 +1,264 @@
+"""The read-once assignment (pure; the same on every rank): one reader for every stored item that
+several ranks read, which reads the union of their ranges and sends each its regions.
+
+Every rank makes it from every rank's read requests, so it looks at all of them: at scale, millions
+(`bench/plan_scale.py`). A rank's requests therefore travel as columns (`RankReads`), files by
+their index in the checkpoint's file table, and the pass that finds which items are shared runs
+on arrays; only the shared items, few beside the optimizer shards each rank reads alone, are
+handled one by one.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .errors import LoadMismatchError
+from .fragment import Box
+from .gcpause import gc_paused
+from .plan import LeastLoaded, ReadItem
+
+
+class StoredItem(NamedTuple):
+    """A stored box, by where it lies: what the read-once exchange keys its transfers by."""
+    file: str
+    offset: int
+
+
+class ReadRequest(NamedTuple):
+    """What a rank tells the others about one of its reads: the stored item, the byte range of it
+    the rank reads, and the regions it copies out (the layout of a payload another rank sends)."""
+    file: str
+    offset: int
+    start: int
+    end: int
+    regions: Tuple[Box, ...]
+
+    @property
+    def item(self) -> StoredItem:
+        return StoredItem(self.file, self.offset)
+
+
+def read_regions(read: ReadItem) -> Tuple[Box, ...]:
+    """The distinct regions a read feeds, in the order of its copies: the layout of its payload
+    when another rank reads it (each region row-major, one after the other)."""
+    return tuple(dict.fromkeys(c.region for c in read.copies))
+
+
+def read_request(read: ReadItem) -> ReadRequest:
+    return ReadRequest(read.stored.file, read.stored.offset, read.start, read.end, read_regions(read))
+
+
+@dataclass
+class RankReads:
+    """A rank's read requests by column: `columns` (int64) holds each request's file (its index
+    in the file table every rank shares: the checkpoint's), offset, start and end."""
+    columns: np.ndarray  # (4, requests)
+    regions: List[Tuple[Box, ...]]
+
+    @classmethod
+    def of(cls, requests: Sequence[ReadRequest], files: Dict[str, int]) -> "RankReads":
+        """`requests` by column; `files`: the file table, each name's index."""
+        missing = sorted({r.file for r in requests} - files.keys())
+        if missing:
+            raise LoadMismatchError(f"reads of {missing[0]}, which the checkpoint's file table lacks")
+        columns = np.array([(files[r.file], r.offset, r.start, r.end) for r in requests], dtype=np.int64)
+        return cls(columns.reshape(-1, 4).T.copy(), [r.regions for r in requests])
+
+    def __len__(self) -> int:
+        return len(self.regions)
+
+    def request(self, i: int, files: Sequence[str]) -> ReadRequest:
+        file, offset, start, end = self.columns[:, i].tolist()
+        return ReadRequest(files[file], offset, start, end, self.regions[i])
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A stored range that several ranks need: `reader` reads it once and sends every other needer
+    just the regions it wants (`wants`, aligned with `needers`), packed one after the other."""
+    reader: int
+    needers: Tuple[int, ...]
+    wants: Tuple[Tuple[Box, ...], ...]
+    start: int
+    end: int
+    tag: int
+
+
+@dataclass
+class Assignment:
+    """The read-once assignment: `transfers` (all, or those one rank reads or needs), and how many
+    shared items there are in all (the same on every rank)."""
+    transfers: Dict[StoredItem, Transfer]
+    shared: int
+
+
+@dataclass
+class _Groups:
+    """Runs of requests that ranks hold alike, each looked at once: the ranks holding each, and
+    where it lies in its first holder's requests."""
+    ranks: List[List[int]]
+    leader: List[int]
+    begin: List[int]
+    end: List[int]
+
+
+@dataclass
+class _Rows:
+    """Every group's requests, one row each, in the groups' order: a row's group, its index in its
+    group leader's requests, and the request's columns (`file`: an index into `files`)."""
+    group: np.ndarray
+    index: np.ndarray
+    files: Sequence[str]
+    file: np.ndarray
+    offset: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+
+@gc_paused
+def assign_transfers(requests: Sequence[RankReads], files: Sequence[str], digests: Optional[Sequence] = None,
+                     rank: Optional[int] = None,
+                     readers: Optional[Callable[[str], Optional[Sequence[int]]]] = None) -> Assignment:
+    """Pick one reader for every stored item that several ranks read (`files`: the file table
+    the requests index).
+
+    The reader is one of the ranks needing the item, balancing bytes read across ranks; it reads
+    the union of the needed ranges. Items only one rank needs, or whose needers want disjoint
+    ranges of it, are left to those ranks. `digests` (each rank's request runs, `runs_of`, or one
+    digest per rank): runs several ranks request alike are handled once. With `rank`, only the
+    transfers that rank reads or needs are built. `readers(file)`: the ranks that can read a file
+    (None: all); an item no needer can read is read by one that can, which passes it on to every
+    needer.
+    """
+    lengths = [len(r.regions) for r in requests]
+    groups = _groups(lengths, digests)
+    rows = _rows(requests, lengths, groups, files)
+    able = {f: None if found is None else tuple(sorted(found))
+            for f, found in ((files[i], readers(files[i])) for i in np.unique(rows.file).tolist())} \
+        if readers is not None else {}
+    load = LeastLoaded(len(requests))
+    order, item_of = _by_item(rows)
+    apart = _alone(rows, groups, order, item_of, able)[item_of]
+    if apart.any():
+        got = np.bincount(np.array([g[0] for g in groups.ranks], dtype=np.int64)[rows.group[order[apart]]],
+                          weights=(rows.end - rows.start)[order[apart]], minlength=len(requests))
+        load.load = [int(x) for x in got.tolist()]
+    return _assign(rows, groups, requests, order[~apart], item_of[~apart], able, load, rank)
+
+
+def _groups(lengths: Sequence[int], digests: Optional[Sequence]) -> _Groups:
+    """The runs of every rank's requests (`digests[r]`: its runs, one digest for the whole list,
+    or None: each rank's list its own), grouped by digest in the order first met."""
+    found: Dict[object, int] = {}
+    out = _Groups([], [], [], [])
+    for r, n in enumerate(lengths):
+        digest = digests[r] if digests else None
+        spans = digest if isinstance(digest, list) else [(("rank", r) if digest is None else digest, n)]
+        at = 0
+        for ident, count in spans:
+            g = found.setdefault(ident, len(out.ranks))
+            if g == len(out.ranks):
+                out.ranks.append([r])
+                out.leader.append(r)
+                out.begin.append(at)
+                out.end.append(at + count)
+            else:
+                out.ranks[g].append(r)
+            at += count
+        if at != n:
+            raise ValueError(f"run digests cover {at} of {n} items")
+    return out
+
+
+def _rows(requests: Sequence[RankReads], lengths: Sequence[int], groups: _Groups, files: Sequence[str]) -> _Rows:
+    """Each group's requests as rows: the leaders' columns concatenated, then the groups' spans
+    kept (groups are in their leaders' order, and in each leader's in its requests' order)."""
+    leaders = sorted(set(groups.leader))
+    at = dict(zip(leaders, itertools.accumulate([0] + [lengths[r] for r in leaders])))
+    begin = np.array([at[lead] + b for lead, b in zip(groups.leader, groups.begin)], dtype=np.int64)
+    counts = np.array(groups.end, dtype=np.int64) - np.array(groups.begin, dtype=np.int64)
+    # row j of group g: row begin[g] + j of the concatenation, row groups.begin[g] + j of its leader's
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    picked = np.repeat(begin, counts) + within
+    columns = np.concatenate([requests[r].columns for r in leaders], axis=1)[:, picked] if leaders \
+        else np.zeros((4, 0), dtype=np.int64)
+    return _Rows(np.repeat(np.arange(len(counts), dtype=np.int64), counts),
+                 np.repeat(np.array(groups.begin, dtype=np.int64), counts) + within, files, *columns)
+
+
+def _by_item(rows: _Rows) -> Tuple[np.ndarray, np.ndarray]:
+    """The rows sorted by stored item (`order`), and each sorted row's item, numbered in order."""
+    width = int(rows.offset.max()).bit_length() if len(rows.offset) else 0
+    if int(rows.file.max(initial=0)).bit_length() + width < 63:
+        key = (rows.file << width) | rows.offset
+        order = np.argsort(key)
+        key = key[order]
+        first = key[1:] != key[:-1]
+    else:
+        order = np.lexsort((rows.offset, rows.file))
+        file, offset = rows.file[order], rows.offset[order]
+        first = (file[1:] != file[:-1]) | (offset[1:] != offset[:-1])
+    return order, np.concatenate([[0], np.cumsum(first)]) if len(order) else order
+
+
+def _alone(rows: _Rows, groups: _Groups, order: np.ndarray, item_of: np.ndarray,
+           able: Dict[str, Optional[Tuple[int, ...]]]) -> np.ndarray:
+    """Per item: whether each of its needers reads its own bytes: one rank per request, ranges
+    disjoint (row shards of one stored box), every needer able to read the file. Nothing is then
+    sent."""
+    solo = (np.array([len(g) for g in groups.ranks], dtype=np.int64) == 1)[rows.group]
+    if any(v is not None for v in able.values()):
+        leader = np.array([g[0] for g in groups.ranks], dtype=np.int64)[rows.group]
+        solo &= np.array([able[rows.files[f]] is None or r in able[rows.files[f]]
+                          for f, r in zip(rows.file.tolist(), leader.tolist())], dtype=bool)
+    items = int(item_of[-1]) + 1 if len(item_of) else 0
+    bad = np.bincount(item_of, weights=~solo[order], minlength=items) > 0
+    several = (np.bincount(item_of, minlength=items) > 1)[item_of]
+    if several.any():  # the rows of items several rows need, by range: an overlap makes one shared
+        sub, its = order[several], item_of[several]
+        by = np.lexsort((rows.end[sub], rows.start[sub], its))
+        sub, its = sub[by], its[by]
+        overlap = (rows.end[sub][:-1] > rows.start[sub][1:]) & (its[1:] == its[:-1])
+        bad |= np.bincount(its[1:], weights=overlap, minlength=items) > 0
+    return ~bad
+
+
+def _assign(rows: _Rows, groups: _Groups, requests: Sequence[RankReads], shared_rows: np.ndarray,
+            shared_item: np.ndarray, able: Dict[str, Optional[Tuple[int, ...]]], load: LeastLoaded,
+            rank: Optional[int]) -> Assignment:
+    """Readers for the shared items (`shared_rows`, of items `shared_item`), largest first, then
+    by item: each the least loaded of its needers (able to read it)."""
+    by = np.lexsort((shared_rows, shared_item))  # each item's rows in the groups' order
+    users, item = shared_rows[by], shared_item[by]
+    cut = np.flatnonzero(np.diff(item, prepend=-1)) if len(item) else np.zeros(0, dtype=np.int64)
+    starts = np.minimum.reduceat(rows.start[users], cut).tolist() if len(cut) else []
+    ends = np.maximum.reduceat(rows.end[users], cut).tolist() if len(cut) else []
+    head = users[cut]
+    spans = sorted(zip([s - e for s, e in zip(starts, ends)], [rows.files[f] for f in rows.file[head].tolist()],
+                       rows.offset[head].tolist(), starts, ends, cut.tolist(), [*cut[1:].tolist(), len(users)]))
+    group, index = rows.group[users].tolist(), rows.index[users].tolist()
+    out: Dict[StoredItem, Transfer] = {}
+    needer_sets: Dict[Tuple[int, ...], Tuple[Tuple[int, ...], frozenset]] = {}  # by the groups needing an item
+    for tag, (_, file, offset, start, end, at, stop) in enumerate(spans):
+        by_groups = tuple(group[at:stop])
+        cached = needer_sets.get(by_groups)
+        if cached is None:
+            needers = tuple(r for g in by_groups for r in groups.ranks[g])
+            cached = needer_sets[by_groups] = (needers, frozenset(needers) if rank is not None else frozenset())
+        needers = cached[0]
+        can = able.get(file) if able else None
+        if can is not None:
+            if not can:
+                raise LoadMismatchError(f"{file} is needed but no rank of this job can read it")
+            reader = load.pick(tuple(r for r in needers if r in can) or can)
+        else:
+            reader = load.pick(needers)
+        load.add(reader, end - start)
+        if rank is None or rank in cached[1] or rank == reader:
+            wants = tuple(requests[groups.leader[g]].regions[i]
+                          for g, i in zip(by_groups, index[at:stop]) for _ in groups.ranks[g])
+            out[StoredItem(file, offset)] = Transfer(reader, needers, wants, start, end, tag)
+    return Assignment(out, len(spans))
