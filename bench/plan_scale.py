@@ -243,7 +243,9 @@ def run(layout, world: int) -> dict:
                 part_plans[id(part)] = mine, runs_of([r.key for r in reads], mine)
             requests += part_plans[id(part)][0]
             runs += part_plans[id(part)][1]
-        return RankReads.of(requests, tables.setdefault(id(metadata), {f: i for i, f in enumerate(metadata.files)})), runs
+        if id(metadata) not in tables:
+            tables[id(metadata)] = {f: i for i, f in enumerate(metadata.files)}
+        return RankReads.of(requests, tables[id(metadata)]), runs
 
     def load_plan(rank=None):  # the read-once assignment over every rank's requests (each rank runs it)
         return assign_transfers([requests[c][0] for c in coords], list(decoded.files), [requests[c][1] for c in coords],

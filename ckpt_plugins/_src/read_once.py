@@ -143,7 +143,7 @@ def assign_transfers(requests: Sequence[RankReads], files: Sequence[str], digest
     order, item_of = _by_item(rows)
     apart = _alone(rows, groups, order, item_of, able)[item_of]
     if apart.any():
-        got = np.bincount(np.array([g[0] for g in groups.ranks], dtype=np.int64)[rows.group[order[apart]]],
+        got = np.bincount(np.array(groups.leader, dtype=np.int64)[rows.group[order[apart]]],
                           weights=(rows.end - rows.start)[order[apart]], minlength=len(requests))
         load.load = [int(x) for x in got.tolist()]
     return _assign(rows, groups, requests, order[~apart], item_of[~apart], able, load, rank)
@@ -156,7 +156,8 @@ def _groups(lengths: Sequence[int], digests: Optional[Sequence]) -> _Groups:
     out = _Groups([], [], [], [])
     for r, n in enumerate(lengths):
         digest = digests[r] if digests else None
-        spans = digest if isinstance(digest, list) else [(("rank", r) if digest is None else digest, n)]
+        spans = [(("rank", r) if digest is None else digest, n)] if digest is None or isinstance(digest, bytes) \
+            else digest
         at = 0
         for ident, count in spans:
             g = found.setdefault(ident, len(out.ranks))
@@ -211,7 +212,7 @@ def _alone(rows: _Rows, groups: _Groups, order: np.ndarray, item_of: np.ndarray,
     sent."""
     solo = (np.array([len(g) for g in groups.ranks], dtype=np.int64) == 1)[rows.group]
     if any(v is not None for v in able.values()):
-        leader = np.array([g[0] for g in groups.ranks], dtype=np.int64)[rows.group]
+        leader = np.array(groups.leader, dtype=np.int64)[rows.group]
         solo &= np.array([able[rows.files[f]] is None or r in able[rows.files[f]]
                           for f, r in zip(rows.file.tolist(), leader.tolist())], dtype=bool)
     items = int(item_of[-1]) + 1 if len(item_of) else 0
