@@ -9,7 +9,6 @@ handled one by one.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -135,7 +134,7 @@ def assign_transfers(requests: Sequence[RankReads], files: Sequence[str], digest
     """
     lengths = [len(r.regions) for r in requests]
     groups = _groups(lengths, digests)
-    rows = _rows(requests, lengths, groups, files)
+    rows = _rows(requests, groups, files)
     able = {f: None if found is None else tuple(sorted(found))
             for f, found in ((files[i], readers(files[i])) for i in np.unique(rows.file).tolist())} \
         if readers is not None else {}
@@ -174,18 +173,13 @@ def _groups(lengths: Sequence[int], digests: Optional[Sequence]) -> _Groups:
     return out
 
 
-def _rows(requests: Sequence[RankReads], lengths: Sequence[int], groups: _Groups, files: Sequence[str]) -> _Rows:
-    """Each group's requests as rows: the leaders' columns concatenated, then the groups' spans
-    kept (groups are in their leaders' order, and in each leader's in its requests' order)."""
-    leaders = sorted(set(groups.leader))
-    at = dict(zip(leaders, itertools.accumulate([0] + [lengths[r] for r in leaders])))
-    begin = np.array([at[lead] + b for lead, b in zip(groups.leader, groups.begin)], dtype=np.int64)
+def _rows(requests: Sequence[RankReads], groups: _Groups, files: Sequence[str]) -> _Rows:
+    """Each group's requests as rows: the groups' spans of their leaders' columns, one after the
+    other (only those: most of a rank's requests are runs another rank leads)."""
     counts = np.array(groups.end, dtype=np.int64) - np.array(groups.begin, dtype=np.int64)
-    # row j of group g: row begin[g] + j of the concatenation, row groups.begin[g] + j of its leader's
-    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    picked = np.repeat(begin, counts) + within
-    columns = np.concatenate([requests[r].columns for r in leaders], axis=1)[:, picked] if leaders \
-        else np.zeros((4, 0), dtype=np.int64)
+    columns = np.concatenate([requests[lead].columns[:, b:e] for lead, b, e in zip(groups.leader, groups.begin, groups.end)]
+                             + [np.zeros((4, 0), dtype=np.int64)], axis=1)
+    within = np.arange(columns.shape[1], dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     return _Rows(np.repeat(np.arange(len(counts), dtype=np.int64), counts),
                  np.repeat(np.array(groups.begin, dtype=np.int64), counts) + within, files, *columns)
 
