@@ -32,11 +32,14 @@ import sys
 import time
 import tracemalloc
 
+import numpy as np
+
 from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
 from ckpt_plugins._src.fragment import flat_views
 from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request, _spec_list, _wanted
 from ckpt_plugins._src.saving import WriteReport
-from ckpt_plugins._src.plan import TensorSpec, data_file_names, plan_load, plan_save, runs_of, spec_runs
+from ckpt_plugins._src.plan import TensorSpec, data_file_names, plan_load, plan_save, spec_runs
+from ckpt_plugins._src.runs import runs_of
 from ckpt_plugins._src.read_once import RankReads, assign_transfers, read_request
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 8192, 28672, 80, 64, 8, 32000
@@ -230,22 +233,22 @@ def run(layout, world: int) -> dict:
         table = {f: i for i, f in enumerate(metadata.files)}
         return RankReads.of(requests, table), runs_of([r.key for r in reads], requests)
 
-    part_plans, tables = {}, {}
+    part_plans = {}
 
     def local_plan_by_parts(c, metadata):
         """The same, a part at a time: replicas share theirs. Equal to `local_plan` when each part
         holds whole runs (one top-level key per part, as the layouts' parts do)."""
-        requests, runs = [], []  # RankReads.of(requests), as `local_plan` returns them
+        if not part_plans:
+            part_plans[None] = {f: i for i, f in enumerate(metadata.files)}
+        mine = []
         for part in parts[c]:
             if id(part) not in part_plans:
                 reads = plan_load(metadata, part).reads
-                mine = [read_request(r) for r in reads]
-                part_plans[id(part)] = mine, runs_of([r.key for r in reads], mine)
-            requests += part_plans[id(part)][0]
-            runs += part_plans[id(part)][1]
-        if id(metadata) not in tables:
-            tables[id(metadata)] = {f: i for i, f in enumerate(metadata.files)}
-        return RankReads.of(requests, tables[id(metadata)]), runs
+                requests = [read_request(r) for r in reads]
+                part_plans[id(part)] = RankReads.of(requests, part_plans[None]), runs_of([r.key for r in reads], requests)
+            mine.append(part_plans[id(part)])
+        return RankReads(np.concatenate([m[0].columns for m in mine], axis=1),
+                         [r for m in mine for r in m[0].regions]), [r for m in mine for r in m[1]]
 
     def load_plan(rank=None):  # the read-once assignment over every rank's requests (each rank runs it)
         return assign_transfers([requests[c][0] for c in coords], list(decoded.files), [requests[c][1] for c in coords],

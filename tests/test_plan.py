@@ -41,6 +41,20 @@ def test_runs_replicas_hold_alike_are_planned_once_with_the_same_plan():
     assert gathered.metadata == by_specs.metadata and gathered.writes == by_specs.writes
 
 
+def test_run_groups_number_runs_as_first_met_and_check_they_cover_each_rank():
+    from ckpt_plugins._src.runs import Run, run_groups
+    a, b, c = (bytes([i]) * 32 for i in range(3))
+    groups = run_groups([3, 0, 5, 3], [[Run(b, 1), Run(a, 2)], [], [Run(c, 3), Run(b, 1), Run(b, 1)], [Run(a, 2), Run(b, 1)]])
+    assert groups.group.tolist() == [0, 1, 2, 0, 0, 1, 0] and groups.first.tolist() == [0, 1, 2]
+    assert groups.rank.tolist() == [0, 0, 2, 2, 2, 3, 3] and groups.start.tolist() == [0, 1, 0, 3, 4, 0, 2]
+    order, bounds = groups.holders()
+    assert [order[x:y].tolist() for x, y in zip(bounds[:-1], bounds[1:])] == [[0, 3, 4, 6], [1, 5], [2]]
+    with pytest.raises(ValueError, match="rank 1's run digests cover 2 of 3 items"):
+        run_groups([3, 3], [[Run(a, 3)], [Run(a, 2)]])
+    with pytest.raises(ValueError, match="runs of one digest differ in length"):
+        run_groups([3, 2], [[Run(a, 3)], [Run(a, 2)]])
+
+
 def test_offsets_are_fixed_and_disjoint_within_each_file():
     shards = [[spec("w", (10, 4), (5 * r, 0), (5, 4)), spec("b", (3,))] for r in range(2)]
     plan = plan_save(shards, files_per_rank=2)
@@ -131,7 +145,7 @@ def test_disjoint_ranges_of_one_stored_item_are_read_by_their_needers():
 def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
     """Replicas request the same weights and each its own optimizer shard: handled by runs
     (`runs_of`), the assignment is the one made rank by rank."""
-    from ckpt_plugins._src.plan import runs_of
+    from ckpt_plugins._src.runs import runs_of
     from ckpt_plugins._src.read_once import ReadRequest as R
     rows = lambda a, n: (((a, 0), (n, 4)),)  # noqa: E731
     weights = [R("w", 64 * i, 0, 64, rows(0, 4)) for i in range(3)]
@@ -155,7 +169,7 @@ def test_read_once_assignment_of_random_requests_keeps_its_rules():
     ranges, and sends each needer its regions; tags run largest first, then by item; runs give
     the assignment made rank by rank; a rank sees the transfers it reads or needs."""
     import random
-    from ckpt_plugins._src.plan import runs_of
+    from ckpt_plugins._src.runs import runs_of
     from ckpt_plugins._src.read_once import ReadRequest as R
     rnd = random.Random(7)
     items = [(f"data/r{rnd.randrange(6)}-0.bin", 4096 * i) for i in range(60)]

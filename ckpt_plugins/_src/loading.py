@@ -23,7 +23,8 @@ from .format import stored_entries
 from .host_share import HostMetadata
 from .fragment import Fragment
 from .errors import CheckpointError, LoadMismatchError
-from .plan import LoadPlan, ReadItem, Run, candidate_keys, plan_load, resolve_key, runs_of, specs_of
+from .plan import LoadPlan, ReadItem, candidate_keys, plan_load, resolve_key, specs_of
+from .runs import Run, runs_of
 from .read_once import RankReads, StoredItem, Transfer, assign_transfers, read_request
 from .results import LoadResult
 from .state import LoadItems, root_handler

@@ -6,12 +6,9 @@ with the stored boxes; every intersection becomes a byte-range read plus a copy.
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
-import itertools
 import math
 import operator
-import pickle
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -21,6 +18,7 @@ from .format import (CAST_DTYPES, DATA_DIR, MODEL, Metadata, StoredBox, TensorMe
                      dtype_from_name, dtype_name, master_key)
 from .fragment import Box, Shape, flat_offset, intersect
 from .hostmem import DIRECT_MIN, PAGE
+from .runs import Run, run_groups, runs_of
 
 
 @dataclass(frozen=True)
@@ -105,43 +103,8 @@ def data_file_names(rank: int, count: int) -> List[str]:
     return [f"{DATA_DIR}/r{rank}-{i}.bin" for i in range(count)]
 
 
-class Run(NamedTuple):
-    """`count` consecutive specs or read requests of one rank under one top-level key (`model/`,
-    `optim/`, ...), by a digest of their content: a run several ranks hold alike (the weights of
-    data-parallel replicas, whose optimizer shards differ) is planned once."""
-    digest: bytes
-    count: int
-
-
-def runs_of(keys: Sequence[str], items: Sequence) -> List[Run]:
-    """`items` (a rank's specs or read requests, `keys` their tensor keys) as runs."""
-    out: List[Run] = []
-    start = 0
-    for i in range(1, len(items) + 1):
-        if i == len(items) or keys[i].split("/", 1)[0] != keys[start].split("/", 1)[0]:
-            out.append(Run(hashlib.sha256(pickle.dumps(list(items[start:i]))).digest(), i - start))
-            start = i
-    return out
-
-
 def spec_runs(specs: Sequence[TensorSpec]) -> List[Run]:
     return runs_of([s.key for s in specs], specs)
-
-
-def _spans(items: Sequence, digest) -> List[Tuple[object, int, int]]:
-    """The spans a rank's specs or read requests are planned in, as (ident, start, end): items
-    [start, end) planned as the run `ident` (equal idents: equal items). One per run (`digest` a
-    list of runs), the whole list (one digest), or the list itself (None: no digests). Plain
-    tuples, unpacked where they are made: there are millions at scale (`bench/plan_scale.py`)."""
-    if digest is None:
-        return [(tuple(items), 0, len(items))]
-    if isinstance(digest, bytes):
-        return [(digest, 0, len(items))]
-    idents, counts = zip(*digest) if digest else ((), ())
-    ends = list(itertools.accumulate(counts))
-    if (ends[-1] if ends else 0) != len(items):
-        raise ValueError(f"run digests cover {ends[-1] if ends else 0} of {len(items)} items")
-    return list(zip(idents, [0] + ends[:-1], ends))
 
 
 class _Holding(NamedTuple):
@@ -174,7 +137,7 @@ def plan_save(tensors: Sequence[Sequence[TensorSpec]], files_per_rank: int = 1,
               casts: bool = False) -> SavePlan:
     """Build the global save plan from every rank's tensor specs (index = rank).
 
-    `digests[rank]`: the digest of the rank's whole spec list, or its `spec_runs`; a run's specs
+    `digests[rank]`: the rank's `spec_runs` (None: each rank's list its own run); a run's specs
     are read from its first holder alone (others may pass None in their place). Steps: the
     distinct boxes (runs several ranks hold alike, such as data-parallel replicas, are validated
     once); a box one rank alone holds is its to write; big replicated boxes are cut into row
@@ -221,17 +184,14 @@ def _distinct_boxes(tensors: Sequence[Sequence[TensorSpec]], digests: Optional[S
                     metas: Dict[str, TensorMeta]) -> Dict[Tuple[str, Box], _Box]:
     """Every distinct non-empty box, with the runs holding it; `metas` gets each tensor's shape
     and dtype, checked to agree across ranks."""
-    starts_of: Dict[object, Dict[int, int]] = {}  # run -> where it starts in each holding rank's list
-    first: Dict[object, Tuple[int, int, int]] = {}  # run -> (the rank whose specs are checked, start, end)
-    for rank, specs in enumerate(tensors):
-        for ident, start, end in _spans(specs, digests[rank] if digests else None):
-            starts_of.setdefault(ident, {})[rank] = start
-            if ident not in first:
-                first[ident] = (rank, start, end)
+    groups = run_groups([len(specs) for specs in tensors], digests)
+    ranks, begins = groups.rank.tolist(), groups.start.tolist()
+    order, bounds = (a.tolist() for a in groups.holders())
     boxes: Dict[Tuple[str, Box], _Box] = {}
     itemsize: Dict[str, int] = {}
-    for ident, (leader, begin, end) in first.items():
-        starts = starts_of[ident]
+    for g, k in enumerate(groups.first.tolist()):
+        starts = {ranks[s]: begins[s] for s in order[bounds[g]:bounds[g + 1]]}  # the run's start in each holder's list
+        leader, begin, end = ranks[k], begins[k], begins[k] + int(groups.count[k])
         specs = tensors[leader]
         _check_specs(specs[begin:end], metas, leader)
         for i in range(begin, end):

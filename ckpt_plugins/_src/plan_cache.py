@@ -15,7 +15,8 @@ from .coordinator import Coordinator
 from .errors import SaveError
 from .failure import RankFailure, failure_error
 from .format import CHUNK_BYTES
-from .plan import Run, SavePlan, TensorSpec, WriteItem, assign_objects, plan_save, spec_runs
+from .plan import SavePlan, TensorSpec, WriteItem, assign_objects, plan_save, spec_runs
+from .runs import Run
 
 
 @dataclass

@@ -10,6 +10,7 @@ handled one by one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -18,6 +19,7 @@ from .errors import LoadMismatchError
 from .fragment import Box
 from .gcpause import gc_paused
 from .plan import LeastLoaded, ReadItem
+from .runs import Run, RunGroups, run_groups
 
 
 class StoredItem(NamedTuple):
@@ -96,21 +98,37 @@ class Assignment:
 
 @dataclass
 class _Groups:
-    """Runs of requests that ranks hold alike, each looked at once: the ranks holding each, and
-    where it lies in its first holder's requests."""
-    ranks: List[List[int]]
-    leader: List[int]
-    begin: List[int]
-    end: List[int]
+    """Runs of requests that ranks hold alike, each looked at once (`runs`), and per group: its
+    first holder (`leader`), whose requests [begin, end) are the run's, and how many hold it."""
+    runs: RunGroups
+    leader: np.ndarray
+    begin: np.ndarray
+    end: np.ndarray
+    size: np.ndarray
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], digests: Optional[Sequence[Sequence[Run]]]) -> "_Groups":
+        runs = run_groups(lengths, digests)
+        begin = runs.start[runs.first]
+        return cls(runs, runs.rank[runs.first], begin, begin + runs.count[runs.first],
+                   np.bincount(runs.group, minlength=len(runs.first)))
+
+    def ranks(self, groups: Sequence[int]) -> Tuple[int, ...]:
+        """The ranks holding `groups`, group by group."""
+        order, bounds = self._holders
+        return tuple(r for g in groups for r in self.runs.rank[order[bounds[g]:bounds[g + 1]]].tolist())
+
+    @cached_property
+    def _holders(self) -> Tuple[np.ndarray, np.ndarray]:
+        return self.runs.holders()
 
 
 @dataclass
 class _Rows:
     """Every group's requests, one row each, in the groups' order: a row's group, its index in its
-    group leader's requests, and the request's columns (`file`: an index into `files`)."""
+    group leader's requests, and the request's columns (`file`: an index into the file table)."""
     group: np.ndarray
     index: np.ndarray
-    files: Sequence[str]
     file: np.ndarray
     offset: np.ndarray
     start: np.ndarray
@@ -118,7 +136,8 @@ class _Rows:
 
 
 @gc_paused
-def assign_transfers(requests: Sequence[RankReads], files: Sequence[str], digests: Optional[Sequence] = None,
+def assign_transfers(requests: Sequence[RankReads], files: Sequence[str],
+                     digests: Optional[Sequence[Sequence[Run]]] = None,
                      rank: Optional[int] = None,
                      readers: Optional[Callable[[str], Optional[Sequence[int]]]] = None) -> Assignment:
     """Pick one reader for every stored item that several ranks read (`files`: the file table
@@ -126,62 +145,37 @@ def assign_transfers(requests: Sequence[RankReads], files: Sequence[str], digest
 
     The reader is one of the ranks needing the item, balancing bytes read across ranks; it reads
     the union of the needed ranges. Items only one rank needs, or whose needers want disjoint
-    ranges of it, are left to those ranks. `digests` (each rank's request runs, `runs_of`, or one
-    digest per rank): runs several ranks request alike are handled once. With `rank`, only the
+    ranges of it, are left to those ranks. `digests` (each rank's request runs, `runs_of`; None:
+    each rank's list its own run): runs several ranks request alike are handled once. With `rank`, only the
     transfers that rank reads or needs are built. `readers(file)`: the ranks that can read a file
     (None: all); an item no needer can read is read by one that can, which passes it on to every
     needer.
     """
-    lengths = [len(r.regions) for r in requests]
-    groups = _groups(lengths, digests)
-    rows = _rows(requests, groups, files)
+    groups = _Groups.of([len(r.regions) for r in requests], digests)
+    rows = _rows(requests, groups)
     able = {f: None if found is None else tuple(sorted(found))
             for f, found in ((files[i], readers(files[i])) for i in np.unique(rows.file).tolist())} \
         if readers is not None else {}
     load = LeastLoaded(len(requests))
     order, item_of = _by_item(rows)
-    apart = _alone(rows, groups, order, item_of, able)[item_of]
+    apart = _alone(rows, groups, files, order, item_of, able)[item_of]
     if apart.any():
-        got = np.bincount(np.array(groups.leader, dtype=np.int64)[rows.group[order[apart]]],
-                          weights=(rows.end - rows.start)[order[apart]], minlength=len(requests))
+        got = np.bincount(groups.leader[rows.group[order[apart]]], weights=(rows.end - rows.start)[order[apart]],
+                          minlength=len(requests))
         load.load = [int(x) for x in got.tolist()]
-    return _assign(rows, groups, requests, order[~apart], item_of[~apart], able, load, rank)
+    return _assign(rows, groups, requests, files, order[~apart], item_of[~apart], able, load, rank)
 
 
-def _groups(lengths: Sequence[int], digests: Optional[Sequence]) -> _Groups:
-    """The runs of every rank's requests (`digests[r]`: its runs, one digest for the whole list,
-    or None: each rank's list its own), grouped by digest in the order first met."""
-    found: Dict[object, int] = {}
-    out = _Groups([], [], [], [])
-    for r, n in enumerate(lengths):
-        digest = digests[r] if digests else None
-        spans = [(("rank", r) if digest is None else digest, n)] if digest is None or isinstance(digest, bytes) \
-            else digest
-        at = 0
-        for ident, count in spans:
-            g = found.setdefault(ident, len(out.ranks))
-            if g == len(out.ranks):
-                out.ranks.append([r])
-                out.leader.append(r)
-                out.begin.append(at)
-                out.end.append(at + count)
-            else:
-                out.ranks[g].append(r)
-            at += count
-        if at != n:
-            raise ValueError(f"run digests cover {at} of {n} items")
-    return out
-
-
-def _rows(requests: Sequence[RankReads], groups: _Groups, files: Sequence[str]) -> _Rows:
+def _rows(requests: Sequence[RankReads], groups: _Groups) -> _Rows:
     """Each group's requests as rows: the groups' spans of their leaders' columns, one after the
     other (only those: most of a rank's requests are runs another rank leads)."""
-    counts = np.array(groups.end, dtype=np.int64) - np.array(groups.begin, dtype=np.int64)
-    columns = np.concatenate([requests[lead].columns[:, b:e] for lead, b, e in zip(groups.leader, groups.begin, groups.end)]
+    counts = groups.end - groups.begin
+    columns = np.concatenate([requests[lead].columns[:, b:e] for lead, b, e in
+                              zip(groups.leader.tolist(), groups.begin.tolist(), groups.end.tolist())]
                              + [np.zeros((4, 0), dtype=np.int64)], axis=1)
     within = np.arange(columns.shape[1], dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    return _Rows(np.repeat(np.arange(len(counts), dtype=np.int64), counts),
-                 np.repeat(np.array(groups.begin, dtype=np.int64), counts) + within, files, *columns)
+    return _Rows(np.repeat(np.arange(len(counts), dtype=np.int64), counts), np.repeat(groups.begin, counts) + within,
+                 *columns)
 
 
 def _by_item(rows: _Rows) -> Tuple[np.ndarray, np.ndarray]:
@@ -199,15 +193,15 @@ def _by_item(rows: _Rows) -> Tuple[np.ndarray, np.ndarray]:
     return order, np.concatenate([[0], np.cumsum(first)]) if len(order) else order
 
 
-def _alone(rows: _Rows, groups: _Groups, order: np.ndarray, item_of: np.ndarray,
+def _alone(rows: _Rows, groups: _Groups, files: Sequence[str], order: np.ndarray, item_of: np.ndarray,
            able: Dict[str, Optional[Tuple[int, ...]]]) -> np.ndarray:
     """Per item: whether each of its needers reads its own bytes: one rank per request, ranges
     disjoint (row shards of one stored box), every needer able to read the file. Nothing is then
     sent."""
-    solo = (np.array([len(g) for g in groups.ranks], dtype=np.int64) == 1)[rows.group]
+    solo = (groups.size == 1)[rows.group]
     if any(v is not None for v in able.values()):
-        leader = np.array(groups.leader, dtype=np.int64)[rows.group]
-        solo &= np.array([able[rows.files[f]] is None or r in able[rows.files[f]]
+        leader = groups.leader[rows.group]
+        solo &= np.array([able[files[f]] is None or r in able[files[f]]
                           for f, r in zip(rows.file.tolist(), leader.tolist())], dtype=bool)
     items = int(item_of[-1]) + 1 if len(item_of) else 0
     bad = np.bincount(item_of, weights=~solo[order], minlength=items) > 0
@@ -221,8 +215,8 @@ def _alone(rows: _Rows, groups: _Groups, order: np.ndarray, item_of: np.ndarray,
     return ~bad
 
 
-def _assign(rows: _Rows, groups: _Groups, requests: Sequence[RankReads], shared_rows: np.ndarray,
-            shared_item: np.ndarray, able: Dict[str, Optional[Tuple[int, ...]]], load: LeastLoaded,
+def _assign(rows: _Rows, groups: _Groups, requests: Sequence[RankReads], files: Sequence[str],
+            shared_rows: np.ndarray, shared_item: np.ndarray, able: Dict[str, Optional[Tuple[int, ...]]], load: LeastLoaded,
             rank: Optional[int]) -> Assignment:
     """Readers for the shared items (`shared_rows`, of items `shared_item`), largest first, then
     by item: each the least loaded of its needers (able to read it)."""
@@ -232,16 +226,17 @@ def _assign(rows: _Rows, groups: _Groups, requests: Sequence[RankReads], shared_
     starts = np.minimum.reduceat(rows.start[users], cut).tolist() if len(cut) else []
     ends = np.maximum.reduceat(rows.end[users], cut).tolist() if len(cut) else []
     head = users[cut]
-    spans = sorted(zip([s - e for s, e in zip(starts, ends)], [rows.files[f] for f in rows.file[head].tolist()],
+    spans = sorted(zip([s - e for s, e in zip(starts, ends)], [files[f] for f in rows.file[head].tolist()],
                        rows.offset[head].tolist(), starts, ends, cut.tolist(), [*cut[1:].tolist(), len(users)]))
     group, index = rows.group[users].tolist(), rows.index[users].tolist()
+    leader, size = groups.leader.tolist(), groups.size.tolist()
     out: Dict[StoredItem, Transfer] = {}
     needer_sets: Dict[Tuple[int, ...], Tuple[Tuple[int, ...], frozenset]] = {}  # by the groups needing an item
     for tag, (_, file, offset, start, end, at, stop) in enumerate(spans):
         by_groups = tuple(group[at:stop])
         cached = needer_sets.get(by_groups)
         if cached is None:
-            needers = tuple(r for g in by_groups for r in groups.ranks[g])
+            needers = groups.ranks(by_groups)
             cached = needer_sets[by_groups] = (needers, frozenset(needers) if rank is not None else frozenset())
         needers = cached[0]
         can = able.get(file) if able else None
@@ -253,7 +248,7 @@ def _assign(rows: _Rows, groups: _Groups, requests: Sequence[RankReads], shared_
             reader = load.pick(needers)
         load.add(reader, end - start)
         if rank is None or rank in cached[1] or rank == reader:
-            wants = tuple(requests[groups.leader[g]].regions[i]
-                          for g, i in zip(by_groups, index[at:stop]) for _ in groups.ranks[g])
+            wants = tuple(requests[leader[g]].regions[i] for g, i in zip(by_groups, index[at:stop])
+                          for _ in range(size[g]))
             out[StoredItem(file, offset)] = Transfer(reader, needers, wants, start, end, tag)
     return Assignment(out, len(spans))

@@ -1,0 +1,81 @@
+"""Runs: stretches of a rank's specs or read requests named by a digest of their content, so that
+what several ranks hold alike (the weights of data-parallel replicas, whose optimizer shards
+differ) is planned once. Pure; the save plan and the read-once assignment group them alike.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import pickle
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+DIGEST_BYTES = 32
+
+
+class Run(NamedTuple):
+    """`count` consecutive specs or read requests of one rank under one top-level key (`model/`,
+    `optim/`, ...), by a digest of their content."""
+    digest: bytes
+    count: int
+
+
+def runs_of(keys: Sequence[str], items: Sequence) -> List[Run]:
+    """`items` (a rank's specs or read requests, `keys` their tensor keys) as runs."""
+    out: List[Run] = []
+    start = 0
+    for i in range(1, len(items) + 1):
+        if i == len(items) or keys[i].split("/", 1)[0] != keys[start].split("/", 1)[0]:
+            out.append(Run(hashlib.sha256(pickle.dumps(list(items[start:i]))).digest(), i - start))
+            start = i
+    return out
+
+
+@dataclass
+class RunGroups:
+    """Every rank's runs, grouped by digest. Span k is rank `rank[k]`'s items [start[k],
+    start[k] + count[k]), planned as group `group[k]`; spans go rank by rank, groups are numbered
+    in the order first met, and `first[g]` is group g's first span (its first holder's)."""
+    group: np.ndarray
+    rank: np.ndarray
+    start: np.ndarray
+    count: np.ndarray
+    first: np.ndarray
+
+    def holders(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Each group's spans, in rank order: group g's are `order[bounds[g]:bounds[g + 1]]`."""
+        order = np.argsort(self.group, kind="stable")
+        return order, np.searchsorted(self.group[order], np.arange(len(self.first) + 1))
+
+
+def run_groups(lengths: Sequence[int], runs: Optional[Sequence[Sequence[Run]]]) -> RunGroups:
+    """The runs of ranks holding `lengths[r]` items each: `runs[r]`, which must cover rank r's
+    items, or (no runs) each rank's whole list its own run. On arrays: at scale there are
+    hundreds of thousands (`bench/plan_scale.py`)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if runs is None:
+        every = np.arange(len(lengths), dtype=np.int64)
+        return RunGroups(every, every, np.zeros_like(every), lengths, every)
+    if len(runs) != len(lengths):
+        raise ValueError(f"runs of {len(runs)} ranks for {len(lengths)}")
+    spans = np.fromiter(itertools.chain.from_iterable(runs), dtype=[("digest", f"S{DIGEST_BYTES}"), ("count", "i8")])
+    per_rank = np.fromiter(map(len, runs), dtype=np.int64, count=len(runs))
+    rank = np.repeat(np.arange(len(runs), dtype=np.int64), per_rank)
+    count = spans["count"]
+    covered = np.bincount(rank, weights=count, minlength=len(lengths)).astype(np.int64)
+    short = np.flatnonzero(covered != lengths)
+    if len(short):
+        r = int(short[0])
+        raise ValueError(f"rank {r}'s run digests cover {covered[r]} of {lengths[r]} items")
+    start = np.cumsum(count) - count - np.repeat(np.cumsum(covered) - covered, per_rank)  # in its rank's list
+    _, first, inverse = np.unique(spans["digest"], return_index=True, return_inverse=True)
+    by_first = np.argsort(first)
+    number = np.empty_like(by_first)
+    number[by_first] = np.arange(len(first), dtype=np.int64)
+    group = number[inverse.reshape(-1)]
+    first = first[by_first]
+    if (count != count[first][group]).any():
+        raise ValueError("runs of one digest differ in length")
+    return RunGroups(group, rank, start, count, first)
