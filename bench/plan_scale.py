@@ -39,8 +39,8 @@ from ckpt_plugins._src.fragment import flat_views
 from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request, _spec_list, _wanted
 from ckpt_plugins._src.saving import WriteReport
 from ckpt_plugins._src.plan import TensorSpec, data_file_names, plan_load, plan_save, spec_runs
-from ckpt_plugins._src.runs import runs_of
-from ckpt_plugins._src.read_once import RankReads, assign_transfers, read_request
+from ckpt_plugins._src.runs import run_groups, runs_of
+from ckpt_plugins._src.read_once import RankReads, assign_transfers, led_reads, read_request
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 8192, 28672, 80, 64, 8, 32000
 TP, PP = 8, 8
@@ -211,6 +211,20 @@ def collectives(gathered, rank_runs, plan) -> dict:
                 t_gather=time.perf_counter() - t0, send_mb=reply / 2**20, commit_mb=commit / 2**20)
 
 
+def load_exchange(requests, led) -> dict:
+    """What a load's ranks all-gather before the read-once assignment, as pickled: every rank's
+    request runs, then each its `led_reads` (the requests of the runs it is the first holder
+    of), beside every rank's whole requests they replace; and a rank's time to unpickle what it
+    receives (the runs' share is small)."""
+    runs = sum(len(pickle.dumps(r)) for _, r in requests)
+    flat = sum(len(pickle.dumps(reads)) for reads, _ in requests)
+    blobs = [pickle.dumps(r) for r in led]
+    t0 = time.perf_counter()
+    [pickle.loads(b) for b in blobs]
+    return dict(load_gather_mb=(runs + sum(map(len, blobs))) / 2**20, load_flat_mb=flat / 2**20,
+                t_load_unpickle=time.perf_counter() - t0)
+
+
 def run(layout, world: int) -> dict:
     began = time.perf_counter()
 
@@ -250,9 +264,9 @@ def run(layout, world: int) -> dict:
         return RankReads(np.concatenate([m[0].columns for m in mine], axis=1),
                          [r for m in mine for r in m[0].regions]), [r for m in mine for r in m[1]]
 
-    def load_plan(rank=None):  # the read-once assignment over every rank's requests (each rank runs it)
-        return assign_transfers([requests[c][0] for c in coords], list(decoded.files), [requests[c][1] for c in coords],
-                                rank)
+    def load_plan(rank=None):  # the read-once assignment over what every rank sent (each rank runs it)
+        groups = run_groups([requests[c][1] for c in coords])
+        return assign_transfers(led, list(decoded.files), groups, rank)
 
     stage("save plan")
     t0 = time.perf_counter()
@@ -288,6 +302,10 @@ def run(layout, world: int) -> dict:
     stage("every rank's load plan")
     requests = {c: local_plan_by_parts(c, decoded) for c in templates}
     part_plans.clear()
+    stage("read-once exchange")
+    groups = run_groups([requests[c][1] for c in coords])
+    led = [led_reads(requests[c][0], groups, rank) for rank, c in enumerate(coords)]
+    exchange = load_exchange([requests[c] for c in coords], led)
     stage("read-once assignment")
     t0 = time.perf_counter()
     load_plan(world - 1)
@@ -310,7 +328,7 @@ def run(layout, world: int) -> dict:
                 t_save=t_save, balance=plan.balance, meta_mb=len(encoded) / 2**20, t_encode=t_encode, t_parse=t_parse,
                 meta_v1_mb=v1_mb, t_encode_v1=t_encode_v1, t_parse_v1=t_parse_v1,
                 t_load=t_load, read_gb=read_once / 1e9, total_gb=plan.metadata.total_bytes / 1e9,
-                peak_mb=max(peak_save, peak_load) / 2**20, **sizes)
+                peak_mb=max(peak_save, peak_load) / 2**20, **sizes, **exchange)
 
 
 def main() -> None:
@@ -334,9 +352,10 @@ def main() -> None:
                   f"{r['read_gb']:>12.1f} {r['total_gb']:>8.1f} {r['peak_mb']:>8.0f} {r['meta_v1_mb']:>6.1f} "
                   f"{r['t_encode_v1']:>11.2f} {r['t_parse_v1']:>11.2f}", flush=True)
             if world == worlds[-1]:
-                ok = (r["t_save"] + r["t_gather"] < save_s and r["t_load"] < load_s and r["t_parse"] < DECODE_S
+                ok = (r["t_save"] + r["t_gather"] < save_s and r["t_load"] + r["t_load_unpickle"] < load_s
+                      and r["t_parse"] < DECODE_S
                       and r["peak_mb"] < peak_mb and r["meta_mb"] < (meta_mb or math.inf))
-                print(f"       targets (the save plan with its gather's unpickling): {'met' if ok else 'MISSED'}")
+                print(f"       targets (each plan with its gather's unpickling): {'met' if ok else 'MISSED'}")
         print(f"the coordinator's collectives, MB as pickled (s at {LINK_GBS:g} GB/s), and its unpickling of the gathered specs:")
         print(f"{'ranks':>6} {'plan gather MB':>14} {'s':>5} {'flat gather MB':>14} {'s':>5} {'unpickle s':>10} "
               f"{'plan send MB':>12} {'commit gather MB':>16} {'s':>5}")
@@ -344,6 +363,12 @@ def main() -> None:
             print(f"{r['world']:>6} {r['gather_mb']:>14,.0f} {link_s(r['gather_mb']):>5.2f} {r['gather_flat_mb']:>14,.0f} "
                   f"{link_s(r['gather_flat_mb']):>5.2f} {r['t_gather']:>10.2f} {r['send_mb']:>12,.0f} "
                   f"{r['commit_mb']:>16,.0f} {link_s(r['commit_mb']):>5.2f}")
+        print("a load's all-gather before the read-once assignment, MB each rank receives as pickled (s at "
+              f"{LINK_GBS:g} GB/s), and its unpickling:")
+        print(f"{'ranks':>6} {'load gather MB':>14} {'s':>5} {'flat gather MB':>14} {'s':>5} {'unpickle s':>10}")
+        for r in rows:
+            print(f"{r['world']:>6} {r['load_gather_mb']:>14,.0f} {link_s(r['load_gather_mb']):>5.2f} "
+                  f"{r['load_flat_mb']:>14,.0f} {link_s(r['load_flat_mb']):>5.2f} {r['t_load_unpickle']:>10.2f}")
     print(f"process max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
 
 

@@ -44,15 +44,16 @@ def test_runs_replicas_hold_alike_are_planned_once_with_the_same_plan():
 def test_run_groups_number_runs_as_first_met_and_check_they_cover_each_rank():
     from ckpt_plugins._src.runs import Run, run_groups
     a, b, c = (bytes([i]) * 32 for i in range(3))
-    groups = run_groups([3, 0, 5, 3], [[Run(b, 1), Run(a, 2)], [], [Run(c, 3), Run(b, 1), Run(b, 1)], [Run(a, 2), Run(b, 1)]])
+    groups = run_groups([[Run(b, 1), Run(a, 2)], [], [Run(c, 3), Run(b, 1), Run(b, 1)], [Run(a, 2), Run(b, 1)]], [3, 0, 5, 3])
     assert groups.group.tolist() == [0, 1, 2, 0, 0, 1, 0] and groups.first.tolist() == [0, 1, 2]
     assert groups.rank.tolist() == [0, 0, 2, 2, 2, 3, 3] and groups.start.tolist() == [0, 1, 0, 3, 4, 0, 2]
     order, bounds = groups.holders()
     assert [order[x:y].tolist() for x, y in zip(bounds[:-1], bounds[1:])] == [[0, 3, 4, 6], [1, 5], [2]]
+    assert [groups.led(r).tolist() for r in range(4)] == [[0, 1, 2], [], [0, 1, 2], []]
     with pytest.raises(ValueError, match="rank 1's run digests cover 2 of 3 items"):
-        run_groups([3, 3], [[Run(a, 3)], [Run(a, 2)]])
+        run_groups([[Run(a, 3)], [Run(a, 2)]], [3, 3])
     with pytest.raises(ValueError, match="runs of one digest differ in length"):
-        run_groups([3, 2], [[Run(a, 3)], [Run(a, 2)]])
+        run_groups([[Run(a, 3)], [Run(a, 2)]], [3, 2])
 
 
 def test_offsets_are_fixed_and_disjoint_within_each_file():
@@ -108,12 +109,17 @@ def test_big_replicated_boxes_are_split_across_their_holders():
     assert len(plan_save([[big]]).metadata.tensors["emb"].boxes) == 1  # one holder: nothing to split
 
 
-def assign(requests, *args, **kwargs):
-    """The read-once assignment of each rank's list of `ReadRequest`s."""
-    from ckpt_plugins._src.read_once import RankReads, assign_transfers
+def assign(requests, runs=None, *args, **kwargs):
+    """The read-once assignment of each rank's list of `ReadRequest`s; with their `runs_of`, as a
+    load exchanges them (each rank sends its `led_reads`)."""
+    from ckpt_plugins._src.read_once import RankReads, assign_transfers, led_reads
+    from ckpt_plugins._src.runs import run_groups
     files = sorted({r.file for reqs in requests for r in reqs})
-    return assign_transfers([RankReads.of(r, {f: i for i, f in enumerate(files)}) for r in requests], files,
-                            *args, **kwargs)
+    reads = [RankReads.of(r, {f: i for i, f in enumerate(files)}) for r in requests]
+    groups = None if runs is None else run_groups(runs, [len(r) for r in reads])
+    if groups is not None:
+        reads = [led_reads(r, groups, rank) for rank, r in enumerate(reads)]
+    return assign_transfers(reads, files, groups, *args, **kwargs)
 
 
 def test_read_once_assignment_reads_every_shared_range_once():
@@ -155,6 +161,13 @@ def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
     runs = [runs_of(keys, r) for r in reqs]
     assert len({r[0] for r in runs}) == 1 and len({r[1] for r in runs}) == 4
     by_runs, by_ranks = assign(reqs, runs), assign(reqs)
+    from ckpt_plugins._src.read_once import RankReads, led_reads
+    from ckpt_plugins._src.runs import run_groups
+    groups, files = run_groups(runs), {"o": 0, "w": 1}
+    sent = [led_reads(RankReads.of(q, files), groups, r) for r, q in enumerate(reqs)]
+    assert [len(s) for s in sent] == [5, 2, 2, 2]  # the weights' requests come from the first replica alone
+    assert [sent[r].request(i, list(files)) for r in range(4) for i in range(len(sent[r]))] == \
+        reqs[0] + [q for r in range(1, 4) for q in reqs[r][3:]]
     assert by_runs == by_ranks and by_runs.shared == 3  # each optimizer item's halves: read by their needers
     for rank in range(4):
         assert assign(reqs, runs, rank).transfers == {

@@ -24,8 +24,8 @@ from .host_share import HostMetadata
 from .fragment import Fragment
 from .errors import CheckpointError, LoadMismatchError
 from .plan import LoadPlan, ReadItem, candidate_keys, plan_load, resolve_key, specs_of
-from .runs import Run, runs_of
-from .read_once import RankReads, StoredItem, Transfer, assign_transfers, read_request
+from .runs import Run, RunGroups, run_groups, runs_of
+from .read_once import RankReads, StoredItem, Transfer, assign_transfers, led_reads, read_request
 from .results import LoadResult
 from .state import LoadItems, root_handler
 from .storage import Storage
@@ -40,8 +40,7 @@ class LoadRequest:
     """What one rank tells the others before any data moves."""
     wanted: List[str] = field(default_factory=list)  # stored keys it uses
     missing: List[str] = field(default_factory=list)
-    reads: RankReads = field(default_factory=lambda: RankReads.of([], {}))  # for the read-once assignment
-    runs: List[Run] = field(default_factory=list)  # runs_of(reads): replicas' alike runs
+    runs: List[Run] = field(default_factory=list)  # runs_of(its reads): replicas' alike runs
     host: Optional[str] = None  # ranks of one host exchange through shared memory
     path: str = ""  # the checkpoint it loads: the same on every rank
 
@@ -57,6 +56,10 @@ class Load:
         self.transforms = 0  # the first finish steps: the transforms'
         self.loaded: List[Filled] = []  # verify: what landed in them
         self.metadata, self.plan, self.requests, self.before = None, None, [], 0
+        self.files: List[str] = []  # the checkpoint's file table, which read requests index
+        self.reads = RankReads.of([], {})  # this rank's read requests, for the read-once assignment
+        self.runs: Optional[RunGroups] = None  # every rank's request runs
+        self.led: List[RankReads] = []  # every rank's `led_reads`
         self.shared = HostMetadata(storage)
         self.recorder = Recorder("load", backend_of(storage), coord.rank, enabled=telemetry)
         self.recorder.record.info["path"] = str(storage)
@@ -83,11 +86,12 @@ class Load:
             self.requests = coord.agreed(lambda: self._request(planned), what=self.what, then="Nothing was loaded")
         finally:  # every rank has read the metadata by now
             self.shared.release()
-        recorder.add("agree", planned[0] if planned else t0, time.time())
         paths = sorted({r.path for r in self.requests})
         if len(paths) > 1:  # every rank sees all of them: every rank raises this
             raise CheckpointError(f"{self.what} failed: the ranks of one load passed different paths "
                                   f"({', '.join(paths)}); every rank must load the same checkpoint. Nothing was loaded")
+        self.led = coord.agreed(self._led, what=self.what, then="Nothing was loaded")
+        recorder.add("agree", planned[0] if planned else t0, time.time())
         stored = set(self.metadata.tensors) | set(self.metadata.objects) | set(self.metadata.aliases)
         stored -= set(getattr(self.metadata, "descriptive", ()))
         return LoadResult(missing_keys=sorted({k for r in self.requests for k in r.missing}),
@@ -116,10 +120,17 @@ class Load:
         request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects] + found
         reads = [read_request(r) for r in plan.reads]
         request.runs = runs_of([r.key for r in plan.reads], reads)
-        request.reads = RankReads.of(reads, {f: i for i, f in enumerate(metadata.files)})
+        self.files = list(metadata.files)
+        self.reads = RankReads.of(reads, dict(zip(self.files, range(len(self.files)))))
         planned.append(time.time())
         recorder.add("plan", t, planned[0])
         return request
+
+    def _led(self) -> RankReads:
+        """What this rank sends for the read-once assignment, once every rank's runs are known:
+        the requests of the runs it is the first holder of (replicas send their weights' once)."""
+        self.runs = run_groups([r.runs for r in self.requests])
+        return led_reads(self.reads, self.runs, self.coord.rank)
 
     def execute(self, result: LoadResult) -> LoadResult:
         """The data, the objects and the handlers' finish steps; agreed again. With `verify`, the
@@ -168,7 +179,7 @@ class Load:
 
     def _read(self, plan: LoadPlan, metadata, requests: List[LoadRequest]) -> int:
         coord = self.coord
-        assignment = assign_transfers([r.reads for r in requests], list(metadata.files), [r.runs for r in requests],
+        assignment = assign_transfers(self.led, self.files, self.runs,
                                       coord.rank, readers=self.storage.readers)
         shared = assignment.transfers
         mine = {StoredItem(r.stored.file, r.stored.offset) for r in plan.reads}

@@ -184,7 +184,7 @@ def _distinct_boxes(tensors: Sequence[Sequence[TensorSpec]], digests: Optional[S
                     metas: Dict[str, TensorMeta]) -> Dict[Tuple[str, Box], _Box]:
     """Every distinct non-empty box, with the runs holding it; `metas` gets each tensor's shape
     and dtype, checked to agree across ranks."""
-    groups = run_groups([len(specs) for specs in tensors], digests)
+    groups = run_groups(digests, [len(specs) for specs in tensors])
     ranks, begins = groups.rank.tolist(), groups.start.tolist()
     order, bounds = (a.tolist() for a in groups.holders())
     boxes: Dict[Tuple[str, Box], _Box] = {}

@@ -19,7 +19,7 @@ from .errors import LoadMismatchError
 from .fragment import Box
 from .gcpause import gc_paused
 from .plan import LeastLoaded, ReadItem
-from .runs import Run, RunGroups, run_groups
+from .runs import RunGroups, run_groups
 
 
 class StoredItem(NamedTuple):
@@ -99,19 +99,15 @@ class Assignment:
 @dataclass
 class _Groups:
     """Runs of requests that ranks hold alike, each looked at once (`runs`), and per group: its
-    first holder (`leader`), whose requests [begin, end) are the run's, and how many hold it."""
+    first holder (`leader`), how many requests it has, and how many ranks hold it."""
     runs: RunGroups
     leader: np.ndarray
-    begin: np.ndarray
-    end: np.ndarray
+    count: np.ndarray
     size: np.ndarray
 
     @classmethod
-    def of(cls, lengths: Sequence[int], digests: Optional[Sequence[Sequence[Run]]]) -> "_Groups":
-        runs = run_groups(lengths, digests)
-        begin = runs.start[runs.first]
-        return cls(runs, runs.rank[runs.first], begin, begin + runs.count[runs.first],
-                   np.bincount(runs.group, minlength=len(runs.first)))
+    def of(cls, runs: RunGroups) -> "_Groups":
+        return cls(runs, runs.rank[runs.first], runs.count[runs.first], np.bincount(runs.group, minlength=len(runs.first)))
 
     def ranks(self, groups: Sequence[int]) -> Tuple[int, ...]:
         """The ranks holding `groups`, group by group."""
@@ -126,7 +122,7 @@ class _Groups:
 @dataclass
 class _Rows:
     """Every group's requests, one row each, in the groups' order: a row's group, its index in its
-    group leader's requests, and the request's columns (`file`: an index into the file table)."""
+    group leader's requests (those it sent: `led_reads`), and the request's columns (`file`: an index into the file table)."""
     group: np.ndarray
     index: np.ndarray
     file: np.ndarray
@@ -135,9 +131,16 @@ class _Rows:
     end: np.ndarray
 
 
+def led_reads(reads: RankReads, runs: RunGroups, rank: int) -> RankReads:
+    """What `rank` sends for the assignment: its requests in the runs it is the first holder of."""
+    led = runs.led(rank)
+    if len(led) == len(reads):
+        return reads
+    return RankReads(reads.columns[:, led], [reads.regions[i] for i in led.tolist()])
+
+
 @gc_paused
-def assign_transfers(requests: Sequence[RankReads], files: Sequence[str],
-                     digests: Optional[Sequence[Sequence[Run]]] = None,
+def assign_transfers(requests: Sequence[RankReads], files: Sequence[str], runs: Optional[RunGroups] = None,
                      rank: Optional[int] = None,
                      readers: Optional[Callable[[str], Optional[Sequence[int]]]] = None) -> Assignment:
     """Pick one reader for every stored item that several ranks read (`files`: the file table
@@ -145,13 +148,14 @@ def assign_transfers(requests: Sequence[RankReads], files: Sequence[str],
 
     The reader is one of the ranks needing the item, balancing bytes read across ranks; it reads
     the union of the needed ranges. Items only one rank needs, or whose needers want disjoint
-    ranges of it, are left to those ranks. `digests` (each rank's request runs, `runs_of`; None:
-    each rank's list its own run): runs several ranks request alike are handled once. With `rank`, only the
-    transfers that rank reads or needs are built. `readers(file)`: the ranks that can read a file
-    (None: all); an item no needer can read is read by one that can, which passes it on to every
-    needer.
+    ranges of it, are left to those ranks. `runs`: every rank's request runs (`run_groups` of
+    their `runs_of`), which runs several ranks request alike are handled once by; `requests[r]`
+    is then rank r's `led_reads`. Without, each rank's whole list is its own run. With `rank`,
+    only the transfers that rank reads or needs are built. `readers(file)`: the ranks that can
+    read a file (None: all); an item no needer can read is read by one that can, which passes it
+    on to every needer.
     """
-    groups = _Groups.of([len(r.regions) for r in requests], digests)
+    groups = _Groups.of(runs if runs is not None else run_groups(None, [len(r) for r in requests]))
     rows = _rows(requests, groups)
     able = {f: None if found is None else tuple(sorted(found))
             for f, found in ((files[i], readers(files[i])) for i in np.unique(rows.file).tolist())} \
@@ -167,15 +171,17 @@ def assign_transfers(requests: Sequence[RankReads], files: Sequence[str],
 
 
 def _rows(requests: Sequence[RankReads], groups: _Groups) -> _Rows:
-    """Each group's requests as rows: the groups' spans of their leaders' columns, one after the
-    other (only those: most of a rank's requests are runs another rank leads)."""
-    counts = groups.end - groups.begin
-    columns = np.concatenate([requests[lead].columns[:, b:e] for lead, b, e in
-                              zip(groups.leader.tolist(), groups.begin.tolist(), groups.end.tolist())]
-                             + [np.zeros((4, 0), dtype=np.int64)], axis=1)
-    within = np.arange(columns.shape[1], dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    return _Rows(np.repeat(np.arange(len(counts), dtype=np.int64), counts), np.repeat(groups.begin, counts) + within,
-                 *columns)
+    """Each group's requests as rows: the leaders' lists, one after the other (groups are
+    numbered in the order first met, rank by rank)."""
+    sent = np.fromiter(map(len, requests), dtype=np.int64, count=len(requests))
+    due = np.bincount(groups.leader, weights=groups.count, minlength=len(requests)).astype(np.int64)
+    wrong = np.flatnonzero(sent != due)
+    if len(wrong):
+        raise ValueError(f"rank {wrong[0]} sent {sent[wrong[0]]} read requests for runs of {due[wrong[0]]}")
+    columns = np.concatenate([r.columns for r in requests] + [np.zeros((4, 0), dtype=np.int64)], axis=1)
+    group = np.repeat(np.arange(len(groups.count), dtype=np.int64), groups.count)
+    index = np.arange(columns.shape[1], dtype=np.int64) - (np.cumsum(sent) - sent)[groups.leader[group]]
+    return _Rows(group, index, *columns)
 
 
 def _by_item(rows: _Rows) -> Tuple[np.ndarray, np.ndarray]:

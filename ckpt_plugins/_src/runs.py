@@ -49,23 +49,30 @@ class RunGroups:
         order = np.argsort(self.group, kind="stable")
         return order, np.searchsorted(self.group[order], np.arange(len(self.first) + 1))
 
+    def led(self, rank: int) -> np.ndarray:
+        """The positions in `rank`'s list of the items in the runs it is the first holder of: all
+        that others need of its list, since the other holders' runs are alike."""
+        mine = np.arange(*np.searchsorted(self.rank, [rank, rank + 1]).tolist())
+        lead = mine[self.first[self.group[mine]] == mine]
+        return np.concatenate([np.arange(s, s + c, dtype=np.int64) for s, c in
+                               zip(self.start[lead].tolist(), self.count[lead].tolist())] + [np.zeros(0, np.int64)])
 
-def run_groups(lengths: Sequence[int], runs: Optional[Sequence[Sequence[Run]]]) -> RunGroups:
-    """The runs of ranks holding `lengths[r]` items each: `runs[r]`, which must cover rank r's
-    items, or (no runs) each rank's whole list its own run. On arrays: at scale there are
-    hundreds of thousands (`bench/plan_scale.py`)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
+
+def run_groups(runs: Optional[Sequence[Sequence[Run]]], lengths: Optional[Sequence[int]] = None) -> RunGroups:
+    """Every rank's `runs[r]`, which must cover the `lengths[r]` items it holds where those are
+    given; or (no runs) each rank's whole list of `lengths[r]` its own run. On arrays: at scale
+    there are hundreds of thousands (`bench/plan_scale.py`)."""
     if runs is None:
         every = np.arange(len(lengths), dtype=np.int64)
-        return RunGroups(every, every, np.zeros_like(every), lengths, every)
-    if len(runs) != len(lengths):
+        return RunGroups(every, every, np.zeros_like(every), np.asarray(lengths, dtype=np.int64), every)
+    if lengths is not None and len(runs) != len(lengths):
         raise ValueError(f"runs of {len(runs)} ranks for {len(lengths)}")
     spans = np.fromiter(itertools.chain.from_iterable(runs), dtype=[("digest", f"S{DIGEST_BYTES}"), ("count", "i8")])
     per_rank = np.fromiter(map(len, runs), dtype=np.int64, count=len(runs))
     rank = np.repeat(np.arange(len(runs), dtype=np.int64), per_rank)
     count = spans["count"]
-    covered = np.bincount(rank, weights=count, minlength=len(lengths)).astype(np.int64)
-    short = np.flatnonzero(covered != lengths)
+    covered = np.bincount(rank, weights=count, minlength=len(runs)).astype(np.int64)
+    short = np.flatnonzero(covered != lengths) if lengths is not None else ()
     if len(short):
         r = int(short[0])
         raise ValueError(f"rank {r}'s run digests cover {covered[r]} of {lengths[r]} items")
