@@ -244,9 +244,22 @@ def replicated_worker(rank, world, path):
         print(f"replicated save over {world} ranks: byte balance max/mean = {info.balance:.3f}")
     assert info.balance < 1.25
     assert info.total_bytes == 24 * 64 * 64 * 4  # every replica written once
+    from ckpt_plugins._src import loading
+    results = []
+    for inline in (loading.INLINE_READS, 0):  # 0: the digest-first exchange of the ranks' requests
+        loading.INLINE_READS = inline
+        fresh = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(24)])
+        results.append(cp.load(path, {"model": fresh}))
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    read = [None] * world
+    dist.all_gather_object(read, [r.read_bytes for r in results])
+    assert [sum(r[i] for r in read) for i in range(2)] == [info.total_bytes] * 2  # each byte read once
+    assert results[1].collectives == results[0].collectives + 1  # the runs, then what each rank leads
 
 
 def test_replicated_state_is_written_once_and_balanced(tmp_path, capsys):
+    """Replicas' state is written once, balanced, and read once on load, whether the ranks send
+    their whole read requests at once or their runs first."""
     path = str(tmp_path / "ddp")
     run_ranks(4, replicated_worker, path)
     meta = cp.read_metadata(path)
