@@ -1,11 +1,11 @@
 """The read-once assignment (pure; the same on every rank): one reader for every stored item that
 several ranks read, which reads the union of their ranges and sends each its regions.
 
-Every rank makes it from every rank's read requests, so it looks at all of them: at scale, millions
-(`bench/plan_scale.py`). A rank's requests therefore travel as columns (`RankReads`), files by
-their index in the checkpoint's file table, and the pass that finds which items are shared runs
-on arrays; only the shared items, few beside the optimizer shards each rank reads alone, are
-handled one by one.
+Every rank makes it from every rank's read requests, each distinct run of them once (sent by its
+first holder: `led_reads`): at scale, millions (`bench/plan_scale.py`). A rank's requests therefore
+travel as columns (`RankReads`), files by their index in the checkpoint's file table, and the pass
+that finds which items are shared runs on arrays; only the shared items, few beside the optimizer
+shards each rank reads alone, are handled one by one.
 """
 from __future__ import annotations
 
@@ -107,7 +107,8 @@ class _Groups:
 
     @classmethod
     def of(cls, runs: RunGroups) -> "_Groups":
-        return cls(runs, runs.rank[runs.first], runs.count[runs.first], np.bincount(runs.group, minlength=len(runs.first)))
+        return cls(runs, runs.rank[runs.first], runs.count[runs.first],
+                   np.bincount(runs.group, minlength=len(runs.first)))
 
     def ranks(self, groups: Sequence[int]) -> Tuple[int, ...]:
         """The ranks holding `groups`, group by group."""
@@ -122,7 +123,8 @@ class _Groups:
 @dataclass
 class _Rows:
     """Every group's requests, one row each, in the groups' order: a row's group, its index in its
-    group leader's requests (those it sent: `led_reads`), and the request's columns (`file`: an index into the file table)."""
+    group leader's requests (those it sent: `led_reads`), and the request's columns (`file`: an
+    index into the file table)."""
     group: np.ndarray
     index: np.ndarray
     file: np.ndarray
