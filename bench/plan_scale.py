@@ -40,7 +40,7 @@ from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request, _spec_l
 from ckpt_plugins._src.saving import WriteReport
 from ckpt_plugins._src.plan import TensorSpec, data_file_names, plan_load, plan_save, spec_runs
 from ckpt_plugins._src.runs import run_groups, runs_of
-from ckpt_plugins._src.read_once import RankReads, assign_transfers, led_reads, read_request
+from ckpt_plugins._src.read_once import RankReads, Regions, assign_transfers, led_reads, read_request
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 8192, 28672, 80, 64, 8, 32000
 TP, PP = 8, 8
@@ -261,8 +261,11 @@ def run(layout, world: int) -> dict:
                 requests = [read_request(r) for r in reads]
                 part_plans[id(part)] = RankReads.of(requests, part_plans[None]), runs_of([r.key for r in reads], requests)
             mine.append(part_plans[id(part)])
-        return RankReads(np.concatenate([m[0].columns for m in mine], axis=1),
-                         [r for m in mine for r in m[0].regions]), [r for m in mine for r in m[1]]
+        ptrs = [m[0].regions.ptr for m in mine]
+        at = np.cumsum([0] + [p[-1] for p in ptrs[:-1]])
+        regions = Regions(np.concatenate([m[0].regions.data for m in mine]),
+                          np.concatenate([[0]] + [p[1:] + a for p, a in zip(ptrs, at)]))
+        return RankReads(np.concatenate([m[0].columns for m in mine], axis=1), regions), [r for m in mine for r in m[1]]
 
     def load_plan(rank=None):  # the read-once assignment over what every rank sent (each rank runs it)
         groups = run_groups([requests[c][1] for c in coords])

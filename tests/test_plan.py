@@ -1,4 +1,5 @@
 """Save and load planning as pure functions: no processes, no I/O."""
+import numpy as np
 import pytest
 
 from ckpt_plugins._src.errors import LoadMismatchError
@@ -54,6 +55,16 @@ def test_run_groups_number_runs_as_first_met_and_check_they_cover_each_rank():
         run_groups([[Run(a, 3)], [Run(a, 2)]], [3, 3])
     with pytest.raises(ValueError, match="runs of one digest differ in length"):
         run_groups([[Run(a, 3)], [Run(a, 2)]], [3, 2])
+
+
+def test_regions_travel_packed_and_come_back_as_they_were():
+    from ckpt_plugins._src.read_once import Regions
+    regions = [(((0, 4), (2, 3)), ((2, 0), (1, 8))), (), (((), ()),), (((2**40,), (3,)),), (((5,), (1,)),)]
+    packed = Regions.of(regions)
+    assert [packed[i] for i in range(len(packed))] == regions and packed.data.dtype == np.int64
+    assert list(map(packed.take(np.array([4, 0, 1], dtype=np.int64)).__getitem__, range(3))) == [
+        regions[4], regions[0], regions[1]]
+    assert Regions.of(regions[:3]).data.dtype == np.int32  # values that fit go in half the bytes
 
 
 def test_offsets_are_fixed_and_disjoint_within_each_file():

@@ -53,11 +53,53 @@ def read_request(read: ReadItem) -> ReadRequest:
 
 
 @dataclass
+class Regions:
+    """Each read request's regions, packed into arrays (what every rank receives of every run:
+    at scale, millions of regions, which unpickle as tuples in seconds). Request i's are
+    `data[ptr[i]:ptr[i + 1]]`, each region as its number of dimensions, offsets, lengths."""
+    data: np.ndarray  # int32 where every value fits, else int64
+    ptr: np.ndarray  # int64, one more than the requests
+
+    @classmethod
+    def of(cls, regions: Sequence[Tuple[Box, ...]]) -> "Regions":
+        flat: List[int] = []
+        ptr = [0]
+        for boxes in regions:
+            for offsets, lengths in boxes:
+                flat.append(len(offsets))
+                flat.extend(offsets)
+                flat.extend(lengths)
+            ptr.append(len(flat))
+        data = np.array(flat, dtype=np.int64)
+        if len(data) and -2**31 <= data.min() and data.max() < 2**31:  # half the bytes sent, mostly
+            data = data.astype(np.int32)
+        return cls(data, np.array(ptr, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.ptr) - 1
+
+    def __getitem__(self, i: int) -> Tuple[Box, ...]:
+        values = self.data[self.ptr[i]:self.ptr[i + 1]].tolist()
+        out, at = [], 0
+        while at < len(values):
+            n = values[at]
+            out.append((tuple(values[at + 1:at + 1 + n]), tuple(values[at + 1 + n:at + 1 + 2 * n])))
+            at += 1 + 2 * n
+        return tuple(out)
+
+    def take(self, rows: np.ndarray) -> "Regions":
+        """The regions of requests `rows`, in that order."""
+        starts, counts = self.ptr[rows], self.ptr[rows + 1] - self.ptr[rows]
+        ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return Regions(self.data[np.repeat(starts - ptr[:-1], counts) + np.arange(ptr[-1], dtype=np.int64)], ptr)
+
+
+@dataclass
 class RankReads:
     """A rank's read requests by column: `columns` (int64) holds each request's file (its index
     in the file table every rank shares: the checkpoint's), offset, start and end."""
     columns: np.ndarray  # (4, requests)
-    regions: List[Tuple[Box, ...]]
+    regions: Regions
 
     @classmethod
     def of(cls, requests: Sequence[ReadRequest], files: Dict[str, int]) -> "RankReads":
@@ -66,10 +108,10 @@ class RankReads:
         if missing:
             raise LoadMismatchError(f"reads of {missing[0]}, which the checkpoint's file table lacks")
         columns = np.array([(files[r.file], r.offset, r.start, r.end) for r in requests], dtype=np.int64)
-        return cls(columns.reshape(-1, 4).T.copy(), [r.regions for r in requests])
+        return cls(columns.reshape(-1, 4).T.copy(), Regions.of([r.regions for r in requests]))
 
     def __len__(self) -> int:
-        return len(self.regions)
+        return self.columns.shape[1]
 
     def request(self, i: int, files: Sequence[str]) -> ReadRequest:
         file, offset, start, end = self.columns[:, i].tolist()
@@ -138,7 +180,7 @@ def led_reads(reads: RankReads, runs: RunGroups, rank: int) -> RankReads:
     led = runs.led(rank)
     if len(led) == len(reads):
         return reads
-    return RankReads(reads.columns[:, led], [reads.regions[i] for i in led.tolist()])
+    return RankReads(reads.columns[:, led], reads.regions.take(led))
 
 
 @gc_paused
@@ -256,7 +298,7 @@ def _assign(rows: _Rows, groups: _Groups, requests: Sequence[RankReads], files: 
             reader = load.pick(needers)
         load.add(reader, end - start)
         if rank is None or rank in cached[1] or rank == reader:
-            wants = tuple(requests[leader[g]].regions[i] for g, i in zip(by_groups, index[at:stop])
-                          for _ in range(size[g]))
+            wants = tuple(w for g, i in zip(by_groups, index[at:stop])
+                          for w in [requests[leader[g]].regions[i]] * size[g])
             out[StoredItem(file, offset)] = Transfer(reader, needers, wants, start, end, tag)
     return Assignment(out, len(spans))
