@@ -35,7 +35,7 @@ from .verify import Filled, check_live, filled
 log = logging.getLogger("ckpt_plugins")
 
 
-# Below this many read requests in all (a rank's times the ranks), a rank sends its whole list with
+# Below this many read requests in all (its own, times the ranks), a rank sends its whole list with
 # the rest of its request: one all-gather, where sending its runs first would cost a second.
 INLINE_READS = 1 << 16
 
