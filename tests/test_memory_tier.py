@@ -330,8 +330,10 @@ def test_recovery_takes_the_newest_step_complete_on_the_survivors():
 
 def test_an_item_no_needer_can_read_is_read_by_a_rank_that_can():
     from ckpt_plugins._src.read_once import RankReads, ReadRequest, assign_transfers
-    assign = lambda requests, **kw: assign_transfers([RankReads.of(r, {"data/r2-0.bin": 0}) for r in requests],  # noqa: E731
-                                                     ["data/r2-0.bin"], **kw)
+    from ckpt_plugins._src.runs import run_groups
+    assign = lambda requests, **kw: assign_transfers(  # noqa: E731
+        RankReads.joined([RankReads.of(r, {"data/r2-0.bin": 0}) for r in requests]),
+        run_groups(None, [len(r) for r in requests]), ["data/r2-0.bin"], **kw)
     box = ((0,), (4,))
     requests = [[], [ReadRequest("data/r2-0.bin", 0, 0, 16, (box,))]]
     transfer = assign(requests, readers=lambda f: (0,)).transfers[("data/r2-0.bin", 0)]

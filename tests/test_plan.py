@@ -67,6 +67,27 @@ def test_regions_travel_packed_and_come_back_as_they_were():
     assert Regions.of(regions[:3]).data.dtype == np.int32  # values that fit go in half the bytes
 
 
+def test_read_requests_travel_as_bytes_and_join_as_they_were():
+    """Each rank's requests as bytes (`packed`), every rank's joined in one pass (`unpacked`):
+    the requests, in rank order, whatever each rank's regions' width and however many it sent."""
+    import pickle
+    from ckpt_plugins._src.read_once import RankReads, ReadRequest as R
+    files = ["a", "b"]
+    sent = [[R("a", 0, 0, 8, (((1, 2), (3, 4)),))], [],
+            [R("b", 2**40, 5, 2**35, (((0,), (2**33,)), ((), ()))), R("a", 7, 1, 2, ())],  # int64 regions
+            [R("a", 3, 0, 1, ()), R("b", 0, 0, 9, (((0, 0, 0), (1, 2, 3)),))]]
+    reads = [RankReads.of(q, {"a": 0, "b": 1}) for q in sent]
+    blobs = [r.packed() for r in reads]
+    assert all(type(pickle.loads(pickle.dumps(b))) is bytes for b in blobs)  # nothing to rebuild but bytes
+    for joined in RankReads.unpacked(blobs, [1, 0, 2, 2]), RankReads.joined(reads):
+        assert [joined.request(i, files) for i in range(len(joined))] == [q for q in sent for q in q]
+    assert RankReads.unpacked(blobs[:1], [1]).regions.data.dtype == np.int32
+    with pytest.raises(ValueError, match="rank 2 sent 112 bytes that do not hold its 1 read requests"):
+        RankReads.unpacked(blobs, [1, 0, 1, 2])
+    with pytest.raises(ValueError, match="rank 0 sent 64 bytes for 2 read requests"):
+        RankReads.unpacked(blobs[:1], [2])
+
+
 def test_offsets_are_fixed_and_disjoint_within_each_file():
     shards = [[spec("w", (10, 4), (5 * r, 0), (5, 4)), spec("b", (3,))] for r in range(2)]
     plan = plan_save(shards, files_per_rank=2)
@@ -127,10 +148,9 @@ def assign(requests, runs=None, *args, **kwargs):
     from ckpt_plugins._src.runs import run_groups
     files = sorted({r.file for reqs in requests for r in reqs})
     reads = [RankReads.of(r, {f: i for i, f in enumerate(files)}) for r in requests]
-    groups = None if runs is None else run_groups(runs, [len(r) for r in reads])
-    if groups is not None:
-        reads = [led_reads(r, groups, rank) for rank, r in enumerate(reads)]
-    return assign_transfers(reads, files, groups, *args, **kwargs)
+    groups = run_groups(runs, [len(r) for r in reads])
+    reads = [led_reads(r, groups, rank) for rank, r in enumerate(reads)]
+    return assign_transfers(RankReads.joined(reads), groups, files, *args, **kwargs)
 
 
 def test_read_once_assignment_reads_every_shared_range_once():

@@ -25,7 +25,7 @@ from .fragment import Fragment
 from .errors import CheckpointError, LoadMismatchError
 from .plan import LoadPlan, ReadItem, candidate_keys, plan_load, resolve_key, specs_of
 from .runs import Run, RunGroups, run_groups, runs_of
-from .read_once import RankReads, StoredItem, Transfer, assign_transfers, led_reads, read_request
+from .read_once import RankReads, StoredItem, Transfer, assign_transfers, led_counts, led_reads, read_request
 from .results import LoadResult
 from .state import LoadItems, root_handler
 from .storage import Storage
@@ -65,7 +65,7 @@ class Load:
         self.files: List[str] = []  # the checkpoint's file table, which read requests index
         self.reads = RankReads.of([], {})  # this rank's read requests, for the read-once assignment
         self.runs: Optional[RunGroups] = None  # every rank's request runs
-        self.led: List[RankReads] = []  # every rank's `led_reads`
+        self.led = self.reads  # every rank's `led_reads`, one after the other
         self.shared = HostMetadata(storage)
         self.recorder = Recorder("load", backend_of(storage), coord.rank, enabled=telemetry)
         self.recorder.record.info["path"] = str(storage)
@@ -98,10 +98,11 @@ class Load:
                                   f"({', '.join(paths)}); every rank must load the same checkpoint. Nothing was loaded")
         self.runs = run_groups([r.runs for r in self.requests])
         if all(r.reads is not None for r in self.requests):
-            self.led = [led_reads(r.reads, self.runs, rank) for rank, r in enumerate(self.requests)]
+            self.led = RankReads.joined([led_reads(r.reads, self.runs, rank) for rank, r in enumerate(self.requests)])
         else:
-            self.led = coord.agreed(lambda: led_reads(self.reads, self.runs, coord.rank), what=self.what,
-                                    then="Nothing was loaded")
+            sent = coord.agreed(lambda: led_reads(self.reads, self.runs, coord.rank).packed(), what=self.what,
+                                then="Nothing was loaded")
+            self.led = RankReads.unpacked(sent, led_counts(self.runs))
         recorder.add("agree", planned[0] if planned else t0, time.time())
         stored = set(self.metadata.tensors) | set(self.metadata.objects) | set(self.metadata.aliases)
         stored -= set(getattr(self.metadata, "descriptive", ()))
@@ -186,8 +187,7 @@ class Load:
 
     def _read(self, plan: LoadPlan, metadata, requests: List[LoadRequest]) -> int:
         coord = self.coord
-        assignment = assign_transfers(self.led, self.files, self.runs,
-                                      coord.rank, readers=self.storage.readers)
+        assignment = assign_transfers(self.led, self.runs, self.files, coord.rank, readers=self.storage.readers)
         shared = assignment.transfers
         mine = {StoredItem(r.stored.file, r.stored.offset) for r in plan.reads}
         reads = plan.reads + _passed_on(metadata, shared, mine, coord.rank)

@@ -19,7 +19,7 @@ from .errors import LoadMismatchError
 from .fragment import Box
 from .gcpause import gc_paused
 from .plan import LeastLoaded, ReadItem
-from .runs import RunGroups, run_groups
+from .runs import RunGroups
 
 
 class StoredItem(NamedTuple):
@@ -93,6 +93,15 @@ class Regions:
         ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return Regions(self.data[np.repeat(starts - ptr[:-1], counts) + np.arange(ptr[-1], dtype=np.int64)], ptr)
 
+    @classmethod
+    def joined(cls, parts: Sequence["Regions"]) -> "Regions":
+        """Several lists' regions, one after the other."""
+        if not parts:
+            return cls.of([])
+        at = np.cumsum([0] + [p.ptr[-1] for p in parts[:-1]])
+        return cls(np.concatenate([p.data for p in parts]),
+                   np.concatenate([[0]] + [p.ptr[1:] + a for p, a in zip(parts, at)]).astype(np.int64))
+
 
 @dataclass
 class RankReads:
@@ -109,6 +118,57 @@ class RankReads:
             raise LoadMismatchError(f"reads of {missing[0]}, which the checkpoint's file table lacks")
         columns = np.array([(files[r.file], r.offset, r.start, r.end) for r in requests], dtype=np.int64)
         return cls(columns.reshape(-1, 4).T.copy(), Regions.of([r.regions for r in requests]))
+
+    @classmethod
+    def joined(cls, parts: Sequence["RankReads"]) -> "RankReads":
+        """Several ranks' lists, one after the other."""
+        return cls(np.concatenate([p.columns for p in parts] + [np.zeros((4, 0), dtype=np.int64)], axis=1),
+                   Regions.joined([p.regions for p in parts]))
+
+    def packed(self) -> bytes:
+        """What a rank sends of its requests (`unpacked` joins every rank's): plain bytes, which
+        unpickle by the hundred thousand in no time where arrays take seconds. The regions' width
+        in 4-byte words (1: int32, 2: int64) and the columns, as int64; each request's number of
+        region values and the values, as int32 words; zeros to a multiple of 8 bytes, so that
+        every rank's starts 8-byte aligned when joined."""
+        width = self.regions.data.itemsize // 4
+        tail = np.diff(self.regions.ptr).astype(np.int32).tobytes() + self.regions.data.tobytes()
+        return b"".join([np.int64(width).tobytes(), np.ascontiguousarray(self.columns, dtype=np.int64).tobytes(),
+                         tail, bytes(-len(tail) % 8)])
+
+    @classmethod
+    def unpacked(cls, blobs: Sequence[bytes], counts: Sequence[int]) -> "RankReads":
+        """Every rank's `packed` requests, `counts[k]` of them in `blobs[k]`, joined in one pass
+        on arrays over all of them."""
+        joined = b"".join(blobs)
+        size = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
+        n = np.asarray(counts, dtype=np.int64)
+        short = np.flatnonzero((size % 8 != 0) | (size < 8 + 36 * n))
+        if len(short):
+            raise ValueError(f"rank {short[0]} sent {size[short[0]]} bytes for {n[short[0]]} read requests")
+        longs, words = np.frombuffer(joined, dtype=np.int64), np.frombuffer(joined, dtype=np.int32)
+        base = (np.cumsum(size) - size) // 8  # each rank's first long
+        width = longs[base]
+        blob = np.repeat(np.arange(len(blobs), dtype=np.int64), n)
+        row = np.arange(len(blob), dtype=np.int64) - (np.cumsum(n) - n)[blob]
+        at = base[blob] + 1 + row
+        columns = np.stack([longs[at + j * n[blob]] for j in range(4)]) if len(blob) else np.zeros((4, 0), np.int64)
+        lengths = words[2 * (base[blob] + 1 + 4 * n[blob]) + row].astype(np.int64)
+        values = np.bincount(blob, weights=lengths, minlength=len(blobs)).astype(np.int64)
+        wrong = np.flatnonzero(((width != 1) & (width != 2)) | (size != 8 * (-(-(36 * n + 4 * values * width) // 8) + 1)))
+        if len(wrong):
+            raise ValueError(f"rank {wrong[0]} sent {size[wrong[0]]} bytes that do not hold its {n[wrong[0]]} "
+                             f"read requests")
+        first = 2 * (base + 1 + 4 * n) + n  # each rank's first region word
+        if (width == 1).all():
+            data = words[np.repeat(first - (np.cumsum(values) - values), values) + np.arange(values.sum())]
+        else:  # some rank's values need int64: each value's words, by rank
+            of = np.repeat(np.arange(len(blobs), dtype=np.int64), values)
+            at = first[of] + (np.arange(len(of), dtype=np.int64) - (np.cumsum(values) - values)[of]) * width[of]
+            data = words[at].astype(np.int64)
+            wide = width[of] == 2
+            data[wide] = words[np.stack([at[wide], at[wide] + 1], axis=1)].view(np.int64).reshape(-1)
+        return cls(columns, Regions(data, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)))
 
     def __len__(self) -> int:
         return self.columns.shape[1]
@@ -164,15 +224,20 @@ class _Groups:
 
 @dataclass
 class _Rows:
-    """Every group's requests, one row each, in the groups' order: a row's group, its index in its
-    group leader's requests (those it sent: `led_reads`), and the request's columns (`file`: an
-    index into the file table)."""
+    """Every group's requests, one row each, in the groups' order (its leader's `led_reads`, one
+    leader after the other): a row's group and the request's columns (`file`: an index into the
+    file table)."""
     group: np.ndarray
-    index: np.ndarray
     file: np.ndarray
     offset: np.ndarray
     start: np.ndarray
     end: np.ndarray
+
+    @classmethod
+    def of(cls, reads: "RankReads", groups: _Groups) -> "_Rows":
+        if len(reads) != int(groups.count.sum()):
+            raise ValueError(f"{len(reads)} read requests were sent for runs of {int(groups.count.sum())}")
+        return cls(np.repeat(np.arange(len(groups.count), dtype=np.int64), groups.count), *reads.columns)
 
 
 def led_reads(reads: RankReads, runs: RunGroups, rank: int) -> RankReads:
@@ -183,9 +248,13 @@ def led_reads(reads: RankReads, runs: RunGroups, rank: int) -> RankReads:
     return RankReads(reads.columns[:, led], reads.regions.take(led))
 
 
+def led_counts(runs: RunGroups) -> np.ndarray:
+    """How many requests each rank sends (`led_reads`)."""
+    return np.bincount(runs.rank[runs.first], weights=runs.count[runs.first], minlength=runs.world).astype(np.int64)
+
+
 @gc_paused
-def assign_transfers(requests: Sequence[RankReads], files: Sequence[str], runs: Optional[RunGroups] = None,
-                     rank: Optional[int] = None,
+def assign_transfers(reads: RankReads, runs: RunGroups, files: Sequence[str], rank: Optional[int] = None,
                      readers: Optional[Callable[[str], Optional[Sequence[int]]]] = None) -> Assignment:
     """Pick one reader for every stored item that several ranks read (`files`: the file table
     the requests index).
@@ -193,39 +262,25 @@ def assign_transfers(requests: Sequence[RankReads], files: Sequence[str], runs: 
     The reader is one of the ranks needing the item, balancing bytes read across ranks; it reads
     the union of the needed ranges. Items only one rank needs, or whose needers want disjoint
     ranges of it, are left to those ranks. `runs`: every rank's request runs (`run_groups` of
-    their `runs_of`), which runs several ranks request alike are handled once by; `requests[r]`
-    is then rank r's `led_reads`. Without, each rank's whole list is its own run. With `rank`,
-    only the transfers that rank reads or needs are built. `readers(file)`: the ranks that can
-    read a file (None: all); an item no needer can read is read by one that can, which passes it
-    on to every needer.
+    their `runs_of`; of None and their lengths: each rank's whole list its own run), which runs
+    several ranks request alike are handled once by; `reads`: every rank's `led_reads`, one rank
+    after the other. With `rank`, only the transfers that rank reads or needs are built.
+    `readers(file)`: the ranks that can read a file (None: all); an item no needer can read is
+    read by one that can, which passes it on to every needer.
     """
-    groups = _Groups.of(runs if runs is not None else run_groups(None, [len(r) for r in requests]))
-    rows = _rows(requests, groups)
+    groups = _Groups.of(runs)
+    rows = _Rows.of(reads, groups)
     able = {f: None if found is None else tuple(sorted(found))
             for f, found in ((files[i], readers(files[i])) for i in np.unique(rows.file).tolist())} \
         if readers is not None else {}
-    load = LeastLoaded(len(requests))
+    load = LeastLoaded(runs.world)
     order, item_of = _by_item(rows)
     apart = _alone(rows, groups, files, order, item_of, able)[item_of]
     if apart.any():
         got = np.bincount(groups.leader[rows.group[order[apart]]], weights=(rows.end - rows.start)[order[apart]],
-                          minlength=len(requests))
+                          minlength=runs.world)
         load.load = [int(x) for x in got.tolist()]
-    return _assign(rows, groups, requests, files, order[~apart], item_of[~apart], able, load, rank)
-
-
-def _rows(requests: Sequence[RankReads], groups: _Groups) -> _Rows:
-    """Each group's requests as rows: the leaders' lists, one after the other (groups are
-    numbered in the order first met, rank by rank)."""
-    sent = np.fromiter(map(len, requests), dtype=np.int64, count=len(requests))
-    due = np.bincount(groups.leader, weights=groups.count, minlength=len(requests)).astype(np.int64)
-    wrong = np.flatnonzero(sent != due)
-    if len(wrong):
-        raise ValueError(f"rank {wrong[0]} sent {sent[wrong[0]]} read requests for runs of {due[wrong[0]]}")
-    columns = np.concatenate([r.columns for r in requests] + [np.zeros((4, 0), dtype=np.int64)], axis=1)
-    group = np.repeat(np.arange(len(groups.count), dtype=np.int64), groups.count)
-    index = np.arange(columns.shape[1], dtype=np.int64) - (np.cumsum(sent) - sent)[groups.leader[group]]
-    return _Rows(group, index, *columns)
+    return _assign(rows, groups, reads.regions, files, order[~apart], item_of[~apart], able, load, rank)
 
 
 def _by_item(rows: _Rows) -> Tuple[np.ndarray, np.ndarray]:
@@ -265,40 +320,56 @@ def _alone(rows: _Rows, groups: _Groups, files: Sequence[str], order: np.ndarray
     return ~bad
 
 
-def _assign(rows: _Rows, groups: _Groups, requests: Sequence[RankReads], files: Sequence[str],
-            shared_rows: np.ndarray, shared_item: np.ndarray, able: Dict[str, Optional[Tuple[int, ...]]], load: LeastLoaded,
+def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str], shared_rows: np.ndarray,
+            shared_item: np.ndarray, able: Dict[str, Optional[Tuple[int, ...]]], load: LeastLoaded,
             rank: Optional[int]) -> Assignment:
     """Readers for the shared items (`shared_rows`, of items `shared_item`), largest first, then
-    by item: each the least loaded of its needers (able to read it)."""
+    by file name and offset: each the least loaded of its needers (able to read it)."""
     by = np.lexsort((shared_rows, shared_item))  # each item's rows in the groups' order
     users, item = shared_rows[by], shared_item[by]
     cut = np.flatnonzero(np.diff(item, prepend=-1)) if len(item) else np.zeros(0, dtype=np.int64)
-    starts = np.minimum.reduceat(rows.start[users], cut).tolist() if len(cut) else []
-    ends = np.maximum.reduceat(rows.end[users], cut).tolist() if len(cut) else []
-    head = users[cut]
-    spans = sorted(zip([s - e for s, e in zip(starts, ends)], [files[f] for f in rows.file[head].tolist()],
-                       rows.offset[head].tolist(), starts, ends, cut.tolist(), [*cut[1:].tolist(), len(users)]))
-    group, index = rows.group[users].tolist(), rows.index[users].tolist()
-    leader, size = groups.leader.tolist(), groups.size.tolist()
+    stop = np.append(cut[1:], len(users)).astype(np.int64)
+    starts = np.minimum.reduceat(rows.start[users], cut) if len(cut) else cut
+    ends = np.maximum.reduceat(rows.end[users], cut) if len(cut) else cut
+    file, offset = rows.file[users[cut]], rows.offset[users[cut]]
+    named = np.unique(file)
+    by_name = np.empty(len(named), dtype=np.int64)
+    by_name[sorted(range(len(named)), key=[files[f] for f in named.tolist()].__getitem__)] = np.arange(len(named))
+    tags = np.lexsort((offset, by_name[np.searchsorted(named, file)], starts - ends))
+    sets, needers = _needer_sets(rows.group[users], cut, stop, groups, rank is not None)
+    group, user, bounds, size = rows.group[users].tolist(), users.tolist(), stop.tolist(), groups.size.tolist()
     out: Dict[StoredItem, Transfer] = {}
-    needer_sets: Dict[Tuple[int, ...], Tuple[Tuple[int, ...], frozenset]] = {}  # by the groups needing an item
-    for tag, (_, file, offset, start, end, at, stop) in enumerate(spans):
-        by_groups = tuple(group[at:stop])
-        cached = needer_sets.get(by_groups)
-        if cached is None:
-            needers = groups.ranks(by_groups)
-            cached = needer_sets[by_groups] = (needers, frozenset(needers) if rank is not None else frozenset())
-        needers = cached[0]
-        can = able.get(file) if able else None
+    for tag, (k, needed, f, start, end) in enumerate(zip(tags.tolist(), sets[tags].tolist(), file[tags].tolist(),
+                                                          starts[tags].tolist(), ends[tags].tolist())):
+        ranks, among = needers[needed]
+        can = able.get(files[f]) if able else None
         if can is not None:
             if not can:
-                raise LoadMismatchError(f"{file} is needed but no rank of this job can read it")
-            reader = load.pick(tuple(r for r in needers if r in can) or can)
+                raise LoadMismatchError(f"{files[f]} is needed but no rank of this job can read it")
+            reader = load.pick(tuple(r for r in ranks if r in can) or can)
         else:
-            reader = load.pick(needers)
+            reader = load.pick(ranks, needed)
         load.add(reader, end - start)
-        if rank is None or rank in cached[1] or rank == reader:
-            wants = tuple(w for g, i in zip(by_groups, index[at:stop])
-                          for w in [requests[leader[g]].regions[i]] * size[g])
-            out[StoredItem(file, offset)] = Transfer(reader, needers, wants, start, end, tag)
-    return Assignment(out, len(spans))
+        if rank is None or rank in among or rank == reader:
+            at = bounds[k - 1] if k else 0
+            wants = tuple(w for g, i in zip(group[at:bounds[k]], user[at:bounds[k]]) for w in [regions[i]] * size[g])
+            out[StoredItem(files[f], int(offset[k]))] = Transfer(reader, ranks, wants, start, end, tag)
+    return Assignment(out, len(tags))
+
+
+def _needer_sets(group: np.ndarray, cut: np.ndarray, stop: np.ndarray, groups: _Groups, members: bool
+                 ) -> Tuple[np.ndarray, List[Tuple[Tuple[int, ...], frozenset]]]:
+    """Each item's needer set, by number (its group's where one group needs it, as mostly), and
+    each set's ranks (with `members`, also as a set)."""
+    one = stop - cut == 1
+    sets = np.where(one, group[cut], -1)
+    numbers: Dict[Tuple[int, ...], int] = {}
+    for k in np.flatnonzero(~one).tolist():
+        sets[k] = numbers.setdefault(tuple(group[cut[k]:stop[k]].tolist()), len(groups.count) + len(numbers))
+    used = np.unique(sets[one]).tolist()
+    keyed = [((g,), g) for g in used] + list(numbers.items())
+    needers: List[Tuple[Tuple[int, ...], frozenset]] = [((), frozenset())] * (len(groups.count) + len(numbers))
+    for by_groups, number in keyed:
+        ranks = groups.ranks(by_groups)
+        needers[number] = (ranks, frozenset(ranks) if members else frozenset())
+    return sets, needers

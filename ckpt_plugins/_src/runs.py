@@ -37,12 +37,14 @@ def runs_of(keys: Sequence[str], items: Sequence) -> List[Run]:
 class RunGroups:
     """Every rank's runs, grouped by digest. Span k is rank `rank[k]`'s items [start[k],
     start[k] + count[k]), planned as group `group[k]`; spans go rank by rank, groups are numbered
-    in the order first met, and `first[g]` is group g's first span (its first holder's)."""
+    in the order first met, and `first[g]` is group g's first span (its first holder's); `world`
+    ranks in all."""
     group: np.ndarray
     rank: np.ndarray
     start: np.ndarray
     count: np.ndarray
     first: np.ndarray
+    world: int
 
     def holders(self) -> Tuple[np.ndarray, np.ndarray]:
         """Each group's spans, in rank order: group g's are `order[bounds[g]:bounds[g + 1]]`."""
@@ -64,7 +66,7 @@ def run_groups(runs: Optional[Sequence[Sequence[Run]]], lengths: Optional[Sequen
     there are hundreds of thousands (`bench/plan_scale.py`)."""
     if runs is None:
         every = np.arange(len(lengths), dtype=np.int64)
-        return RunGroups(every, every, np.zeros_like(every), np.asarray(lengths, dtype=np.int64), every)
+        return RunGroups(every, every, np.zeros_like(every), np.asarray(lengths, dtype=np.int64), every, len(every))
     if lengths is not None and len(runs) != len(lengths):
         raise ValueError(f"runs of {len(runs)} ranks for {len(lengths)}")
     spans = np.fromiter(itertools.chain.from_iterable(runs), dtype=[("digest", f"S{DIGEST_BYTES}"), ("count", "i8")])
@@ -85,4 +87,4 @@ def run_groups(runs: Optional[Sequence[Sequence[Run]]], lengths: Optional[Sequen
     first = first[by_first]
     if (count != count[first][group]).any():
         raise ValueError("runs of one digest differ in length")
-    return RunGroups(group, rank, start, count, first)
+    return RunGroups(group, rank, start, count, first, len(runs))
