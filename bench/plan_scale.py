@@ -33,10 +33,12 @@ import time
 import tracemalloc
 from typing import Tuple
 
+import numpy as np
+
 from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
 from ckpt_plugins._src.fragment import flat_views
 from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request, _spec_list, _wanted
-from ckpt_plugins._src.loading import LoadRequest
+from ckpt_plugins._src.loading import LoadRequest, stored_keys
 from ckpt_plugins._src.saving import WriteReport
 from ckpt_plugins._src.plan import TensorSpec, data_file_names, plan_load, plan_save, spec_runs
 from ckpt_plugins._src.runs import run_groups, runs_of
@@ -247,11 +249,16 @@ def run(layout, world: int) -> dict:
     def save_plan():
         return plan_save(gathered, files_per_rank=FILES_PER_RANK, digests=rank_runs)
 
-    def local_plan(c, metadata):  # what one rank does for itself: its reads and their runs
+    def local_plan(c, metadata):  # what one rank does for itself: its reads and their runs, the keys it uses
         reads = plan_load(metadata, templates[c]).reads
         requests = [read_request(r) for r in reads]
         table = {f: i for i, f in enumerate(metadata.files)}
+        keys = stored_keys(metadata)
+        used(templates[c], dict(zip(keys, range(len(keys)))))
         return RankReads.of(requests, table), runs_of([r.key for r in reads], requests)
+
+    def used(specs, index):  # the keys a rank uses, as its LoadRequest sends them (its specs' here)
+        return np.array(sorted({index[s.key] for s in specs}), dtype=np.int32).tobytes()
 
     part_plans = {}
 
@@ -309,10 +316,11 @@ def run(layout, world: int) -> dict:
     part_plans.clear()
     stage("read-once exchange")
     groups = run_groups([requests[c][1] for c in coords])
-    wanted = {c: sorted({s.key for s in specs}) for c, specs in templates.items()}
+    index = {k: i for i, k in enumerate(stored_keys(decoded))}
+    wanted = {c: used(specs, index) for c, specs in templates.items()}
     led, exchange = load_exchange([requests[c] for c in coords], [wanted[c] for c in coords],
                                   [led_reads(requests[c][0], groups, rank) for rank, c in enumerate(coords)], groups)
-    del wanted
+    del index, wanted
     stage("read-once assignment")
     t0 = time.perf_counter()
     load_plan(world - 1)

@@ -255,6 +255,14 @@ def replicated_worker(rank, world, path):
     dist.all_gather_object(read, [r.read_bytes for r in results])
     assert [sum(r[i] for r in read) for i in range(2)] == [info.total_bytes] * 2  # each byte read once
     assert results[1].collectives == results[0].collectives + 1  # the runs, then what each rank leads
+    part = nn.Module()  # each rank its own layers and layer 4's: the keys no rank uses are left over
+    for i in range(24):
+        if i % 6 in (rank, 4):
+            part.add_module(str(i), nn.Linear(64, 64, bias=False))
+    result = cp.load(path, {"model": part}, strict=False)
+    assert result.missing_keys == [] and result.unexpected_keys == sorted(f"model/{i}.weight" for i in (5, 11, 17, 23))
+    assert all(torch.equal(p, model.get_submodule(name).weight) for name, p in
+               ((n.split(".")[0], p) for n, p in part.named_parameters()))
 
 
 def test_replicated_state_is_written_once_and_balanced(tmp_path, capsys):

@@ -8,10 +8,13 @@ failed, so every rank reaches the second agreement and raises the same error.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
+
+import numpy as np
 
 from . import delta, shm
 from .base_ref import BASE, reference, resolve
@@ -43,7 +46,8 @@ INLINE_READS = 1 << 16
 @dataclass
 class LoadRequest:
     """What one rank tells the others before any data moves."""
-    wanted: List[str] = field(default_factory=list)  # stored keys it uses
+    wanted: bytes = b""  # the stored keys it uses, as int32 indices into `stored_keys` (at scale, every
+    # rank receives every rank's: as names, most of a 131,072-rank load's first all-gather)
     missing: List[str] = field(default_factory=list)
     runs: List[Run] = field(default_factory=list)  # runs_of(its reads): replicas' alike runs
     reads: Optional[RankReads] = None  # all its read requests, sent at once where few (`INLINE_READS`)
@@ -63,6 +67,7 @@ class Load:
         self.loaded: List[Filled] = []  # verify: what landed in them
         self.metadata, self.plan, self.requests, self.before = None, None, [], 0
         self.files: List[str] = []  # the checkpoint's file table, which read requests index
+        self.keys: List[str] = []  # its stored keys, which `LoadRequest.wanted` indexes
         self.reads = RankReads.of([], {})  # this rank's read requests, for the read-once assignment
         self.runs: Optional[RunGroups] = None  # every rank's request runs
         self.led = self.reads  # every rank's `led_reads`, one after the other
@@ -104,10 +109,10 @@ class Load:
                                 then="Nothing was loaded")
             self.led = RankReads.unpacked(sent, led_counts(self.runs))
         recorder.add("agree", planned[0] if planned else t0, time.time())
-        stored = set(self.metadata.tensors) | set(self.metadata.objects) | set(self.metadata.aliases)
-        stored -= set(getattr(self.metadata, "descriptive", ()))
+        used = np.zeros(len(self.keys), dtype=bool)
+        used[np.frombuffer(b"".join(r.wanted for r in self.requests), dtype=np.int32)] = True
         return LoadResult(missing_keys=sorted({k for r in self.requests for k in r.missing}),
-                          unexpected_keys=sorted(stored - {k for r in self.requests for k in r.wanted}))
+                          unexpected_keys=sorted(itertools.compress(self.keys, (~used).tolist())))
 
     def _request(self, planned: list) -> LoadRequest:
         """This rank's metadata, handlers' items and load plan, as what it tells the others
@@ -127,8 +132,11 @@ class Load:
         self.plan = plan = plan_load(metadata, specs)
         # every stored candidate of a wanted tensor counts as used: a bf16 weight is not left
         # over when its fp32 master filled the model
-        request.wanted = sorted({resolve_key(metadata, k) for s in specs for k in candidate_keys(s)}
-                                | {s.key for s in specs} | set(items.objects) | set(items.per_rank) | items.accepted)
+        wanted = ({resolve_key(metadata, k) for s in specs for k in candidate_keys(s)}
+                  | {s.key for s in specs} | set(items.objects) | set(items.per_rank) | items.accepted)
+        self.keys = stored_keys(metadata)
+        index = dict(zip(self.keys, range(len(self.keys))))
+        request.wanted = np.array(sorted(index[k] for k in wanted if k in index), dtype=np.int32).tobytes()
         request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects] + found
         reads = [read_request(r) for r in plan.reads]
         request.runs = runs_of([r.key for r in plan.reads], reads)
@@ -261,6 +269,14 @@ def undone_on_failure(loads: List["Load"]):
                 undo()
         shm.remove_stale()  # a reader that was killed left its segment
         raise
+
+
+def stored_keys(metadata) -> List[str]:
+    """The keys a load may leave unused (`LoadResult.unexpected_keys`), in the metadata's order:
+    the same on every rank, which read the same metadata."""
+    descriptive = set(getattr(metadata, "descriptive", ()))
+    return [k for k in dict.fromkeys(itertools.chain(metadata.tensors, metadata.objects, metadata.aliases))
+            if k not in descriptive]
 
 
 def _passed_on(metadata, shared: Dict[StoredItem, Transfer], mine: set, rank: int) -> List[ReadItem]:
