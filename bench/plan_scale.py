@@ -38,7 +38,9 @@ import numpy as np
 from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
 from ckpt_plugins._src.fragment import flat_views
 from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request, _spec_list, _wanted
-from ckpt_plugins._src.loading import LoadRequest, stored_keys
+from ckpt_plugins._src.load_request import LoadRequest, LoadRequests
+from ckpt_plugins._src.loading import stored_keys
+from ckpt_plugins._src.packing import Joined
 from ckpt_plugins._src.saving import WriteReport
 from ckpt_plugins._src.plan import TensorSpec, data_file_names, plan_load, plan_save, spec_runs
 from ckpt_plugins._src.runs import run_groups, runs_of
@@ -215,19 +217,20 @@ def collectives(gathered, rank_runs, plan) -> dict:
 
 def load_exchange(requests, wanted, led, groups) -> Tuple[RankReads, dict]:
     """What a load's ranks all-gather before the read-once assignment, as the agreement pickles
-    it, and a rank's time to unpickle it: first every rank's `LoadRequest` (its request runs, and
-    the stored keys it uses: `wanted`, its specs' keys here), then each its `led_reads` (the
-    requests of the runs it is the first holder of, `packed`), joined; beside every rank's whole
+    it, and a rank's time to unpickle and join it: first every rank's `LoadRequest` (its request
+    runs, and the stored keys it uses: `wanted`, its specs' here), then each its `led_reads` (the
+    requests of the runs it is the first holder of), both `packed`; beside every rank's whole
     requests, which the second replaces. Returns the joined requests, the assignment's input."""
-    first = [pickle.dumps((None, LoadRequest(wanted=w, runs=r, host=f"host-{rank // 8}", path="ckpt")))
+    first = [pickle.dumps((None, LoadRequest(wanted=w, runs=r, host=f"host-{rank // 8}", path="ckpt").packed()))
              for rank, (w, (_, r)) in enumerate(zip(wanted, requests))]
     t0 = time.perf_counter()
-    [pickle.loads(b) for b in first]
+    LoadRequests.of([pickle.loads(b)[1] for b in first])
     t_first = time.perf_counter() - t0
     flat = sum(len(pickle.dumps(reads.packed())) for reads, _ in requests)
     blobs = [pickle.dumps((None, r.packed())) for r in led]
     t0 = time.perf_counter()
-    joined = RankReads.unpacked([pickle.loads(b)[1] for b in blobs], led_counts(groups))
+    sent = Joined([pickle.loads(b)[1] for b in blobs], "read requests")
+    joined = RankReads.unpacked(sent, sent.start, sent.size, led_counts(groups))
     return joined, dict(load_request_mb=sum(map(len, first)) / 2**20, t_load_request=t_first,
                         load_gather_mb=sum(map(len, blobs)) / 2**20, load_flat_mb=flat / 2**20,
                         t_load_unpickle=time.perf_counter() - t0)
@@ -258,7 +261,7 @@ def run(layout, world: int) -> dict:
         return RankReads.of(requests, table), runs_of([r.key for r in reads], requests)
 
     def used(specs, index):  # the keys a rank uses, as its LoadRequest sends them (its specs' here)
-        return np.array(sorted({index[s.key] for s in specs}), dtype=np.int32).tobytes()
+        return np.array(sorted({index[s.key] for s in specs}), dtype=np.int32)
 
     part_plans = {}
 

@@ -51,6 +51,7 @@ def test_run_groups_number_runs_as_first_met_and_check_they_cover_each_rank():
     order, bounds = groups.holders()
     assert [order[x:y].tolist() for x, y in zip(bounds[:-1], bounds[1:])] == [[0, 3, 4, 6], [1, 5], [2]]
     assert [groups.led(r).tolist() for r in range(4)] == [[0, 1, 2], [], [0, 1, 2], []]
+    assert groups.leading().tolist() == [0, 1, 2, 3, 4, 5]  # the same, in the ranks' lists joined
     with pytest.raises(ValueError, match="rank 1's run digests cover 2 of 3 items"):
         run_groups([[Run(a, 3)], [Run(a, 2)]], [3, 3])
     with pytest.raises(ValueError, match="runs of one digest differ in length"):
@@ -67,11 +68,15 @@ def test_regions_travel_packed_and_come_back_as_they_were():
     assert Regions.of(regions[:3]).data.dtype == np.int32  # values that fit go in half the bytes
 
 
-def test_read_requests_travel_as_bytes_and_join_as_they_were():
-    """Each rank's requests as bytes (`packed`), every rank's joined in one pass (`unpacked`):
-    the requests, in rank order, whatever each rank's regions' width and however many it sent."""
+def test_requests_travel_as_bytes_and_join_as_they_were():
+    """Each rank's read requests and load request as bytes (`packed`), every rank's joined in one
+    pass (`RankReads.unpacked`, `LoadRequests.of`): the same requests in rank order, whatever each
+    rank's regions' width, however many it sent, with or without its reads, host, missing keys."""
     import pickle
+    from ckpt_plugins._src.load_request import LoadRequest, LoadRequests
+    from ckpt_plugins._src.packing import Joined
     from ckpt_plugins._src.read_once import RankReads, ReadRequest as R
+    from ckpt_plugins._src.runs import runs_of
     files = ["a", "b"]
     sent = [[R("a", 0, 0, 8, (((1, 2), (3, 4)),))], [],
             [R("b", 2**40, 5, 2**35, (((0,), (2**33,)), ((), ()))), R("a", 7, 1, 2, ())],  # int64 regions
@@ -79,13 +84,29 @@ def test_read_requests_travel_as_bytes_and_join_as_they_were():
     reads = [RankReads.of(q, {"a": 0, "b": 1}) for q in sent]
     blobs = [r.packed() for r in reads]
     assert all(type(pickle.loads(pickle.dumps(b))) is bytes for b in blobs)  # nothing to rebuild but bytes
-    for joined in RankReads.unpacked(blobs, [1, 0, 2, 2]), RankReads.joined(reads):
-        assert [joined.request(i, files) for i in range(len(joined))] == [q for q in sent for q in q]
-    assert RankReads.unpacked(blobs[:1], [1]).regions.data.dtype == np.int32
+    joined = Joined(blobs, "read requests")
+    for every in RankReads.unpacked(joined, joined.start, joined.size, [1, 0, 2, 2]), RankReads.joined(reads):
+        assert [every.request(i, files) for i in range(len(every))] == [q for q in sent for q in q]
+    one = Joined(blobs[:1], "read requests")
+    assert RankReads.unpacked(one, one.start, one.size, [1]).regions.data.dtype == np.int32
     with pytest.raises(ValueError, match="rank 2 sent 112 bytes that do not hold its 1 read requests"):
-        RankReads.unpacked(blobs, [1, 0, 1, 2])
+        RankReads.unpacked(joined, joined.start, joined.size, [1, 0, 1, 2])
     with pytest.raises(ValueError, match="rank 0 sent 64 bytes for 2 read requests"):
-        RankReads.unpacked(blobs[:1], [2])
+        RankReads.unpacked(one, one.start, one.size, [2])
+
+    requests = [LoadRequest(np.array([3, r], dtype=np.int32), [], runs_of(["model/w"] * len(q), q), reads[r],
+                            f"host-{r // 2}", "ckpt") for r, q in enumerate(sent)]
+    requests[1].missing, requests[3].missing, requests[2].host = ["x/\u00e9"], ["y", "x/\u00e9"], None
+    every = LoadRequests.of([r.packed() for r in requests])
+    assert every.hosts == ["host-0", "host-0", None, "host-1"] and every.paths == ["ckpt"]
+    assert every.missing == ["x/\u00e9", "y"] and sorted(every.used.tolist()) == [0, 1, 2, 3, 3, 3, 3, 3]
+    assert [every.reads.request(i, files) for i in range(len(every.reads))] == [q for q in sent for q in q]
+    assert every.runs.rank.tolist() == [0, 2, 3] and every.runs.count.tolist() == [1, 2, 2]
+    requests[0].reads, requests[3].path = None, "other"  # one rank without its reads: none are used
+    every = LoadRequests.of([r.packed() for r in requests])
+    assert every.reads is None and every.paths == ["ckpt", "other"]
+    with pytest.raises(ValueError, match="rank 1 sent 88 bytes that do not hold its load request"):
+        LoadRequests.of([requests[0].packed(), requests[1].packed()[:-8]])
 
 
 def test_offsets_are_fixed_and_disjoint_within_each_file():

@@ -11,7 +11,6 @@ import contextlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -27,7 +26,9 @@ from .host_share import HostMetadata
 from .fragment import Fragment
 from .errors import CheckpointError, LoadMismatchError
 from .plan import LoadPlan, ReadItem, candidate_keys, plan_load, resolve_key, specs_of
-from .runs import Run, RunGroups, run_groups, runs_of
+from .load_request import LoadRequest, LoadRequests
+from .packing import Joined
+from .runs import RunGroups, runs_of
 from .read_once import RankReads, StoredItem, Transfer, assign_transfers, led_counts, led_reads, read_request
 from .results import LoadResult
 from .state import LoadItems, root_handler
@@ -43,18 +44,6 @@ log = logging.getLogger("ckpt_plugins")
 INLINE_READS = 1 << 16
 
 
-@dataclass
-class LoadRequest:
-    """What one rank tells the others before any data moves."""
-    wanted: bytes = b""  # the stored keys it uses, as int32 indices into `stored_keys` (at scale, every
-    # rank receives every rank's: as names, most of a 131,072-rank load's first all-gather)
-    missing: List[str] = field(default_factory=list)
-    runs: List[Run] = field(default_factory=list)  # runs_of(its reads): replicas' alike runs
-    reads: Optional[RankReads] = None  # all its read requests, sent at once where few (`INLINE_READS`)
-    host: Optional[str] = None  # ranks of one host exchange through shared memory
-    path: str = ""  # the checkpoint it loads: the same on every rank
-
-
 class Load:
     def __init__(self, storage: Storage, state: Dict[str, Any], coord: Coordinator, *, strict: bool,
                  read_threads: int, shared_memory: bool, telemetry: bool = True, verify: bool = False):
@@ -65,7 +54,8 @@ class Load:
         self.targets: List[Fragment] = []  # the handlers' destinations (a transform's fills one in a finish step)
         self.transforms = 0  # the first finish steps: the transforms'
         self.loaded: List[Filled] = []  # verify: what landed in them
-        self.metadata, self.plan, self.requests, self.before = None, None, [], 0
+        self.metadata, self.plan, self.before = None, None, 0
+        self.requests: Optional[LoadRequests] = None  # every rank's
         self.files: List[str] = []  # the checkpoint's file table, which read requests index
         self.keys: List[str] = []  # its stored keys, which `LoadRequest.wanted` indexes
         self.reads = RankReads.of([], {})  # this rank's read requests, for the read-once assignment
@@ -94,24 +84,25 @@ class Load:
         planned = []
         t0 = time.time()
         try:
-            self.requests = coord.agreed(lambda: self._request(planned), what=self.what, then="Nothing was loaded")
+            sent = coord.agreed(lambda: self._request(planned).packed(), what=self.what, then="Nothing was loaded")
         finally:  # every rank has read the metadata by now
             self.shared.release()
-        paths = sorted({r.path for r in self.requests})
+        self.requests = requests = LoadRequests.of(sent)
+        paths = requests.paths
         if len(paths) > 1:  # every rank sees all of them: every rank raises this
             raise CheckpointError(f"{self.what} failed: the ranks of one load passed different paths "
                                   f"({', '.join(paths)}); every rank must load the same checkpoint. Nothing was loaded")
-        self.runs = run_groups([r.runs for r in self.requests])
-        if all(r.reads is not None for r in self.requests):
-            self.led = RankReads.joined([led_reads(r.reads, self.runs, rank) for rank, r in enumerate(self.requests)])
+        self.runs = requests.runs
+        if requests.reads is not None:
+            self.led = requests.reads.take(self.runs.leading())
         else:
-            sent = coord.agreed(lambda: led_reads(self.reads, self.runs, coord.rank).packed(), what=self.what,
-                                then="Nothing was loaded")
-            self.led = RankReads.unpacked(sent, led_counts(self.runs))
+            sent = Joined(coord.agreed(lambda: led_reads(self.reads, self.runs, coord.rank).packed(), what=self.what,
+                                       then="Nothing was loaded"), "read requests")
+            self.led = RankReads.unpacked(sent, sent.start, sent.size, led_counts(self.runs))
         recorder.add("agree", planned[0] if planned else t0, time.time())
         used = np.zeros(len(self.keys), dtype=bool)
-        used[np.frombuffer(b"".join(r.wanted for r in self.requests), dtype=np.int32)] = True
-        return LoadResult(missing_keys=sorted({k for r in self.requests for k in r.missing}),
+        used[requests.used] = True
+        return LoadResult(missing_keys=requests.missing,
                           unexpected_keys=sorted(itertools.compress(self.keys, (~used).tolist())))
 
     def _request(self, planned: list) -> LoadRequest:
@@ -136,7 +127,7 @@ class Load:
                   | {s.key for s in specs} | set(items.objects) | set(items.per_rank) | items.accepted)
         self.keys = stored_keys(metadata)
         index = dict(zip(self.keys, range(len(self.keys))))
-        request.wanted = np.array(sorted(index[k] for k in wanted if k in index), dtype=np.int32).tobytes()
+        request.wanted = np.array(sorted(index[k] for k in wanted if k in index), dtype=np.int32)
         request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects] + found
         reads = [read_request(r) for r in plan.reads]
         request.runs = runs_of([r.key for r in plan.reads], reads)
@@ -160,7 +151,7 @@ class Load:
             return result.telemetry
 
         def run():
-            result.read_bytes = self._read(plan, metadata, self.requests)
+            result.read_bytes = self._read(plan, metadata, self.requests.hosts)
             if isinstance(metadata, ForeignMetadata):
                 result.unverified_bytes = result.read_bytes
             with recorder.phase("objects"):
@@ -193,7 +184,7 @@ class Load:
         result.collectives = coord.collectives - self.before
         return result
 
-    def _read(self, plan: LoadPlan, metadata, requests: List[LoadRequest]) -> int:
+    def _read(self, plan: LoadPlan, metadata, hosts: List[Optional[str]]) -> int:
         coord = self.coord
         assignment = assign_transfers(self.led, self.runs, self.files, coord.rank, readers=self.storage.readers)
         shared = assignment.transfers
@@ -201,8 +192,8 @@ class Load:
         reads = plan.reads + _passed_on(metadata, shared, mine, coord.rank)
         transfers = {i: t for i, r in enumerate(reads)
                      for t in [shared.get(StoredItem(r.stored.file, r.stored.offset))] if t is not None}
-        hosts = [r.host for r in requests]
-        if not (assignment.shared and self.shared_memory and any(h is not None and hosts.count(h) > 1 for h in hosts)):
+        named = [h for h in hosts if h is not None]
+        if not (assignment.shared and self.shared_memory and len(set(named)) < len(named)):  # some host holds two
             hosts = None
         work = ReadWork(reads, self.items.fragments, {k: m.dtype for k, m in metadata.tensors.items()},
                         metadata.chunk_bytes, transfers, hosts, self.base)

@@ -18,6 +18,7 @@ import numpy as np
 from .errors import LoadMismatchError
 from .fragment import Box
 from .gcpause import gc_paused
+from .packing import Joined, aligned, padded, spans
 from .plan import LeastLoaded, ReadItem
 from .runs import RunGroups
 
@@ -89,9 +90,8 @@ class Regions:
 
     def take(self, rows: np.ndarray) -> "Regions":
         """The regions of requests `rows`, in that order."""
-        starts, counts = self.ptr[rows], self.ptr[rows + 1] - self.ptr[rows]
-        ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        return Regions(self.data[np.repeat(starts - ptr[:-1], counts) + np.arange(ptr[-1], dtype=np.int64)], ptr)
+        counts = self.ptr[rows + 1] - self.ptr[rows]
+        return Regions(self.data[spans(self.ptr[rows], counts)], np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
 
     @classmethod
     def joined(cls, parts: Sequence["Regions"]) -> "Regions":
@@ -126,52 +126,45 @@ class RankReads:
                    Regions.joined([p.regions for p in parts]))
 
     def packed(self) -> bytes:
-        """What a rank sends of its requests (`unpacked` joins every rank's): plain bytes, which
-        unpickle by the hundred thousand in no time where arrays take seconds. The regions' width
-        in 4-byte words (1: int32, 2: int64) and the columns, as int64; each request's number of
-        region values and the values, as int32 words; zeros to a multiple of 8 bytes, so that
-        every rank's starts 8-byte aligned when joined."""
-        width = self.regions.data.itemsize // 4
-        tail = np.diff(self.regions.ptr).astype(np.int32).tobytes() + self.regions.data.tobytes()
-        return b"".join([np.int64(width).tobytes(), np.ascontiguousarray(self.columns, dtype=np.int64).tobytes(),
-                         tail, bytes(-len(tail) % 8)])
+        """What a rank sends of its requests (`packing`; `unpacked` joins every rank's): the
+        regions' width in 4-byte words (1: int32, 2: int64) and the columns, as int64s; each
+        request's number of region values and the values, as 4-byte words."""
+        return aligned(np.int64(self.regions.data.itemsize // 4).tobytes()
+                       + np.ascontiguousarray(self.columns, dtype=np.int64).tobytes(),
+                       np.diff(self.regions.ptr).astype(np.int32).tobytes() + self.regions.data.tobytes())
 
     @classmethod
-    def unpacked(cls, blobs: Sequence[bytes], counts: Sequence[int]) -> "RankReads":
-        """Every rank's `packed` requests, `counts[k]` of them in `blobs[k]`, joined in one pass
-        on arrays over all of them."""
-        joined = b"".join(blobs)
-        size = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
-        n = np.asarray(counts, dtype=np.int64)
-        short = np.flatnonzero((size % 8 != 0) | (size < 8 + 36 * n))
+    def unpacked(cls, joined: Joined, at: np.ndarray, nbytes: np.ndarray, counts: Sequence[int]) -> "RankReads":
+        """Every rank's `packed` requests: `counts[k]` of them in the `nbytes[k]` bytes from byte
+        `at[k]` of `joined`, one rank after the other, in one pass on arrays."""
+        n, nbytes = np.asarray(counts, dtype=np.int64), np.asarray(nbytes, dtype=np.int64)
+        short = np.flatnonzero(nbytes < 8 + 36 * n)
         if len(short):
-            raise ValueError(f"rank {short[0]} sent {size[short[0]]} bytes for {n[short[0]]} read requests")
-        longs, words = np.frombuffer(joined, dtype=np.int64), np.frombuffer(joined, dtype=np.int32)
-        base = (np.cumsum(size) - size) // 8  # each rank's first long
-        width = longs[base]
-        blob = np.repeat(np.arange(len(blobs), dtype=np.int64), n)
-        row = np.arange(len(blob), dtype=np.int64) - (np.cumsum(n) - n)[blob]
-        at = base[blob] + 1 + row
-        columns = np.stack([longs[at + j * n[blob]] for j in range(4)]) if len(blob) else np.zeros((4, 0), np.int64)
-        lengths = words[2 * (base[blob] + 1 + 4 * n[blob]) + row].astype(np.int64)
-        values = np.bincount(blob, weights=lengths, minlength=len(blobs)).astype(np.int64)
-        wrong = np.flatnonzero(((width != 1) & (width != 2)) | (size != 8 * (-(-(36 * n + 4 * values * width) // 8) + 1)))
+            raise ValueError(f"rank {short[0]} sent {nbytes[short[0]]} bytes for {n[short[0]]} read requests")
+        head = at // 8
+        width = joined.longs[head]
+        columns = np.stack([joined.longs[spans(head + 1 + j * n, n)] for j in range(4)])
+        lengths = joined.words[spans(2 * (head + 1 + 4 * n), n)].astype(np.int64)
+        values = np.bincount(np.repeat(np.arange(len(n)), n), weights=lengths, minlength=len(n)).astype(np.int64)
+        wrong = np.flatnonzero(((width != 1) & (width != 2)) | (nbytes != 8 + 32 * n + padded(4 * n + 4 * values * width)))
         if len(wrong):
-            raise ValueError(f"rank {wrong[0]} sent {size[wrong[0]]} bytes that do not hold its {n[wrong[0]]} "
+            raise ValueError(f"rank {wrong[0]} sent {nbytes[wrong[0]]} bytes that do not hold its {n[wrong[0]]} "
                              f"read requests")
-        first = 2 * (base + 1 + 4 * n) + n  # each rank's first region word
+        first = 2 * (head + 1 + 4 * n) + n  # each rank's first region word
         if (width == 1).all():
-            data = words[np.repeat(first - (np.cumsum(values) - values), values) + np.arange(values.sum())]
-        else:  # some rank's values need int64: each value's words, by rank
-            of = np.repeat(np.arange(len(blobs), dtype=np.int64), values)
-            at = first[of] + (np.arange(len(of), dtype=np.int64) - (np.cumsum(values) - values)[of]) * width[of]
-            data = words[at].astype(np.int64)
-            wide = width[of] == 2
-            data[wide] = words[np.stack([at[wide], at[wide] + 1], axis=1)].view(np.int64).reshape(-1)
+            data = joined.words[spans(first, values)]
+        else:  # some rank's values need int64: those come as pairs of words
+            data, wide, at_value = np.empty(values.sum(), dtype=np.int64), width == 2, np.cumsum(values) - values
+            data[spans(at_value[~wide], values[~wide])] = joined.words[spans(first[~wide], values[~wide])]
+            data[spans(at_value[wide], values[wide])] = joined.words[spans(first[wide], 2 * values[wide])].view(np.int64)
         return cls(columns, Regions(data, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)))
 
     def __len__(self) -> int:
         return self.columns.shape[1]
+
+    def take(self, rows: np.ndarray) -> "RankReads":
+        """Requests `rows`, in that order."""
+        return RankReads(self.columns[:, rows], self.regions.take(rows))
 
     def request(self, i: int, files: Sequence[str]) -> ReadRequest:
         file, offset, start, end = self.columns[:, i].tolist()
@@ -243,9 +236,7 @@ class _Rows:
 def led_reads(reads: RankReads, runs: RunGroups, rank: int) -> RankReads:
     """What `rank` sends for the assignment: its requests in the runs it is the first holder of."""
     led = runs.led(rank)
-    if len(led) == len(reads):
-        return reads
-    return RankReads(reads.columns[:, led], reads.regions.take(led))
+    return reads if len(led) == len(reads) else reads.take(led)
 
 
 def led_counts(runs: RunGroups) -> np.ndarray:

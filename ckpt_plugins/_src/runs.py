@@ -12,6 +12,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .packing import spans
+
 DIGEST_BYTES = 32
 
 
@@ -56,8 +58,35 @@ class RunGroups:
         that others need of its list, since the other holders' runs are alike."""
         mine = np.arange(*np.searchsorted(self.rank, [rank, rank + 1]).tolist())
         lead = mine[self.first[self.group[mine]] == mine]
-        return np.concatenate([np.arange(s, s + c, dtype=np.int64) for s, c in
-                               zip(self.start[lead].tolist(), self.count[lead].tolist())] + [np.zeros(0, np.int64)])
+        return spans(self.start[lead], self.count[lead])
+
+    def leading(self) -> np.ndarray:
+        """The positions of every group's items in every rank's list, joined rank by rank: its
+        first holder's (what `led` gives of each rank, one after the other)."""
+        held = np.bincount(self.rank, weights=self.count, minlength=self.world).astype(np.int64)
+        return spans((np.cumsum(held) - held)[self.rank[self.first]] + self.start[self.first], self.count[self.first])
+
+    @classmethod
+    def of(cls, digests: np.ndarray, count: np.ndarray, per_rank: np.ndarray,
+           lengths: Optional[Sequence[int]] = None) -> "RunGroups":
+        """`run_groups` of every rank's runs as arrays: their digests (`S32`) and counts, rank by
+        rank, `per_rank[r]` of them rank r's."""
+        rank = np.repeat(np.arange(len(per_rank), dtype=np.int64), per_rank)
+        covered = np.bincount(rank, weights=count, minlength=len(per_rank)).astype(np.int64)
+        short = np.flatnonzero(covered != lengths) if lengths is not None else ()
+        if len(short):
+            r = int(short[0])
+            raise ValueError(f"rank {r}'s run digests cover {covered[r]} of {lengths[r]} items")
+        start = np.cumsum(count) - count - np.repeat(np.cumsum(covered) - covered, per_rank)  # in its rank's list
+        _, first, inverse = np.unique(digests, return_index=True, return_inverse=True)
+        by_first = np.argsort(first)
+        number = np.empty_like(by_first)
+        number[by_first] = np.arange(len(first), dtype=np.int64)
+        group = number[inverse.reshape(-1)]
+        first = first[by_first]
+        if (count != count[first][group]).any():
+            raise ValueError("runs of one digest differ in length")
+        return cls(group, rank, start, count, first, len(per_rank))
 
 
 def run_groups(runs: Optional[Sequence[Sequence[Run]]], lengths: Optional[Sequence[int]] = None) -> RunGroups:
@@ -69,22 +98,6 @@ def run_groups(runs: Optional[Sequence[Sequence[Run]]], lengths: Optional[Sequen
         return RunGroups(every, every, np.zeros_like(every), np.asarray(lengths, dtype=np.int64), every, len(every))
     if lengths is not None and len(runs) != len(lengths):
         raise ValueError(f"runs of {len(runs)} ranks for {len(lengths)}")
-    spans = np.fromiter(itertools.chain.from_iterable(runs), dtype=[("digest", f"S{DIGEST_BYTES}"), ("count", "i8")])
-    per_rank = np.fromiter(map(len, runs), dtype=np.int64, count=len(runs))
-    rank = np.repeat(np.arange(len(runs), dtype=np.int64), per_rank)
-    count = spans["count"]
-    covered = np.bincount(rank, weights=count, minlength=len(runs)).astype(np.int64)
-    short = np.flatnonzero(covered != lengths) if lengths is not None else ()
-    if len(short):
-        r = int(short[0])
-        raise ValueError(f"rank {r}'s run digests cover {covered[r]} of {lengths[r]} items")
-    start = np.cumsum(count) - count - np.repeat(np.cumsum(covered) - covered, per_rank)  # in its rank's list
-    _, first, inverse = np.unique(spans["digest"], return_index=True, return_inverse=True)
-    by_first = np.argsort(first)
-    number = np.empty_like(by_first)
-    number[by_first] = np.arange(len(first), dtype=np.int64)
-    group = number[inverse.reshape(-1)]
-    first = first[by_first]
-    if (count != count[first][group]).any():
-        raise ValueError("runs of one digest differ in length")
-    return RunGroups(group, rank, start, count, first, len(runs))
+    records = np.fromiter(itertools.chain.from_iterable(runs), dtype=[("digest", f"S{DIGEST_BYTES}"), ("count", "i8")])
+    return RunGroups.of(records["digest"], records["count"], np.fromiter(map(len, runs), dtype=np.int64, count=len(runs)),
+                        lengths)
