@@ -315,7 +315,7 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
             shared_item: np.ndarray, able: Dict[str, Optional[Tuple[int, ...]]], load: LeastLoaded,
             rank: Optional[int]) -> Assignment:
     """Readers for the shared items (`shared_rows`, of items `shared_item`), largest first, then
-    by file name and offset: each the least loaded of its needers (able to read it)."""
+    by item (file, offset): each the least loaded of its needers (able to read it)."""
     by = np.lexsort((shared_rows, shared_item))  # each item's rows in the groups' order
     users, item = shared_rows[by], shared_item[by]
     cut = np.flatnonzero(np.diff(item, prepend=-1)) if len(item) else np.zeros(0, dtype=np.int64)
@@ -323,10 +323,7 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
     starts = np.minimum.reduceat(rows.start[users], cut) if len(cut) else cut
     ends = np.maximum.reduceat(rows.end[users], cut) if len(cut) else cut
     file, offset = rows.file[users[cut]], rows.offset[users[cut]]
-    named = np.unique(file)
-    by_name = np.empty(len(named), dtype=np.int64)
-    by_name[sorted(range(len(named)), key=[files[f] for f in named.tolist()].__getitem__)] = np.arange(len(named))
-    tags = np.lexsort((offset, by_name[np.searchsorted(named, file)], starts - ends))
+    tags = np.lexsort((offset, file, starts - ends))
     sets, needers = _needer_sets(rows.group[users], cut, stop, groups, rank is not None)
     group, user, bounds, size = rows.group[users].tolist(), users.tolist(), stop.tolist(), groups.size.tolist()
     out: Dict[StoredItem, Transfer] = {}
