@@ -43,7 +43,7 @@ from ckpt_plugins._src.loading import stored_keys
 from ckpt_plugins._src.packing import Joined
 from ckpt_plugins._src.saving import WriteReport
 from ckpt_plugins._src.plan import TensorSpec, data_file_names, plan_load, plan_save, spec_runs
-from ckpt_plugins._src.runs import run_groups, runs_of
+from ckpt_plugins._src.runs import RunGroups, run_groups, runs_of
 from ckpt_plugins._src.read_once import RankReads, assign_transfers, led_counts, led_reads, read_request
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 8192, 28672, 80, 64, 8, 32000
@@ -215,25 +215,26 @@ def collectives(gathered, rank_runs, plan) -> dict:
                 t_gather=time.perf_counter() - t0, send_mb=reply / 2**20, commit_mb=commit / 2**20)
 
 
-def load_exchange(requests, wanted, led, groups) -> Tuple[RankReads, dict]:
+def load_exchange(requests, wanted, led, groups) -> Tuple[RankReads, RunGroups, dict]:
     """What a load's ranks all-gather before the read-once assignment, as the agreement pickles
     it, and a rank's time to unpickle and join it: first every rank's `LoadRequest` (its request
     runs, and the stored keys it uses: `wanted`, its specs' here), then each its `led_reads` (the
     requests of the runs it is the first holder of), both `packed`; beside every rank's whole
-    requests, which the second replaces. Returns the joined requests, the assignment's input."""
+    requests, which the second replaces. Returns the assignment's input: the joined requests and
+    every rank's runs, grouped."""
     first = [pickle.dumps((None, LoadRequest(wanted=w, runs=r, host=f"host-{rank // 8}", path="ckpt").packed()))
              for rank, (w, (_, r)) in enumerate(zip(wanted, requests))]
     t0 = time.perf_counter()
-    LoadRequests.of([pickle.loads(b)[1] for b in first])
+    runs = LoadRequests.of([pickle.loads(b)[1] for b in first]).runs
     t_first = time.perf_counter() - t0
     flat = sum(len(pickle.dumps(reads.packed())) for reads, _ in requests)
     blobs = [pickle.dumps((None, r.packed())) for r in led]
     t0 = time.perf_counter()
     sent = Joined([pickle.loads(b)[1] for b in blobs], "read requests")
     joined = RankReads.unpacked(sent, sent.start, sent.size, led_counts(groups))
-    return joined, dict(load_request_mb=sum(map(len, first)) / 2**20, t_load_request=t_first,
-                        load_gather_mb=sum(map(len, blobs)) / 2**20, load_flat_mb=flat / 2**20,
-                        t_load_unpickle=time.perf_counter() - t0)
+    return joined, runs, dict(load_request_mb=sum(map(len, first)) / 2**20, t_load_request=t_first,
+                              load_gather_mb=sum(map(len, blobs)) / 2**20, load_flat_mb=flat / 2**20,
+                              t_load_unpickle=time.perf_counter() - t0)
 
 
 def run(layout, world: int) -> dict:
@@ -278,8 +279,7 @@ def run(layout, world: int) -> dict:
         return RankReads.joined([m[0] for m in mine]), [r for m in mine for r in m[1]]
 
     def load_plan(rank=None):  # the read-once assignment over what every rank sent (each rank runs it)
-        groups = run_groups([requests[c][1] for c in coords])
-        return assign_transfers(led, groups, files, rank)
+        return assign_transfers(led, sent_runs, files, rank)
 
     stage("save plan")
     t0 = time.perf_counter()
@@ -321,7 +321,7 @@ def run(layout, world: int) -> dict:
     groups = run_groups([requests[c][1] for c in coords])
     index = {k: i for i, k in enumerate(stored_keys(decoded))}
     wanted = {c: used(specs, index) for c, specs in templates.items()}
-    led, exchange = load_exchange([requests[c] for c in coords], [wanted[c] for c in coords],
+    led, sent_runs, exchange = load_exchange([requests[c] for c in coords], [wanted[c] for c in coords],
                                   [led_reads(requests[c][0], groups, rank) for rank, c in enumerate(coords)], groups)
     del index, wanted
     stage("read-once assignment")

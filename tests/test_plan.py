@@ -87,8 +87,10 @@ def test_requests_travel_as_bytes_and_join_as_they_were():
     joined = Joined(blobs, "read requests")
     for every in RankReads.unpacked(joined, joined.start, joined.size, [1, 0, 2, 2]), RankReads.joined(reads):
         assert [every.request(i, files) for i in range(len(every))] == [q for q in sent for q in q]
+    narrow = Joined([blobs[0], blobs[1], blobs[3]], "read requests")  # int32 regions: read in place
+    every = RankReads.unpacked(narrow, narrow.start, narrow.size, [1, 0, 2])
+    assert [every.request(i, files) for i in range(3)] == sent[0] + sent[3] and every.regions.data.dtype == np.int32
     one = Joined(blobs[:1], "read requests")
-    assert RankReads.unpacked(one, one.start, one.size, [1]).regions.data.dtype == np.int32
     with pytest.raises(ValueError, match="rank 2 sent 112 bytes that do not hold its 1 read requests"):
         RankReads.unpacked(joined, joined.start, joined.size, [1, 0, 1, 2])
     with pytest.raises(ValueError, match="rank 0 sent 64 bytes for 2 read requests"):

@@ -57,9 +57,11 @@ def read_request(read: ReadItem) -> ReadRequest:
 class Regions:
     """Each read request's regions, packed into arrays (what every rank receives of every run:
     at scale, millions of regions, which unpickle as tuples in seconds). Request i's are
-    `data[ptr[i]:ptr[i + 1]]`, each region as its number of dimensions, offsets, lengths."""
+    `data[start[i]:end[i]]`, each region as its number of dimensions, offsets, lengths; requests
+    taken from a list, or joined from what every rank sent, share its values."""
     data: np.ndarray  # int32 where every value fits, else int64
-    ptr: np.ndarray  # int64, one more than the requests
+    start: np.ndarray  # int64, per request
+    end: np.ndarray
 
     @classmethod
     def of(cls, regions: Sequence[Tuple[Box, ...]]) -> "Regions":
@@ -71,16 +73,22 @@ class Regions:
                 flat.extend(offsets)
                 flat.extend(lengths)
             ptr.append(len(flat))
-        data = np.array(flat, dtype=np.int64)
-        if len(data) and -2**31 <= data.min() and data.max() < 2**31:  # half the bytes sent, mostly
-            data = data.astype(np.int32)
-        return cls(data, np.array(ptr, dtype=np.int64))
+        return cls.packed(np.array(flat, dtype=np.int64), np.diff(ptr))
+
+    @classmethod
+    def packed(cls, values: np.ndarray, lengths: np.ndarray) -> "Regions":
+        """`values` one request's after the other, `lengths[i]` of them request i's; in int32
+        where every value fits (half the bytes sent, mostly)."""
+        if len(values) and -2**31 <= values.min() and values.max() < 2**31:
+            values = values.astype(np.int32)
+        end = np.cumsum(lengths, dtype=np.int64)
+        return cls(values, end - lengths, end)
 
     def __len__(self) -> int:
-        return len(self.ptr) - 1
+        return len(self.start)
 
     def __getitem__(self, i: int) -> Tuple[Box, ...]:
-        values = self.data[self.ptr[i]:self.ptr[i + 1]].tolist()
+        values = self.data[self.start[i]:self.end[i]].tolist()
         out, at = [], 0
         while at < len(values):
             n = values[at]
@@ -88,19 +96,23 @@ class Regions:
             at += 1 + 2 * n
         return tuple(out)
 
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.end - self.start
+
+    def values(self) -> np.ndarray:
+        """Every request's values, one after the other."""
+        return self.data[spans(self.start, self.lengths)]
+
     def take(self, rows: np.ndarray) -> "Regions":
         """The regions of requests `rows`, in that order."""
-        counts = self.ptr[rows + 1] - self.ptr[rows]
-        return Regions(self.data[spans(self.ptr[rows], counts)], np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        return Regions(self.data, self.start[rows], self.end[rows])
 
     @classmethod
     def joined(cls, parts: Sequence["Regions"]) -> "Regions":
         """Several lists' regions, one after the other."""
-        if not parts:
-            return cls.of([])
-        at = np.cumsum([0] + [p.ptr[-1] for p in parts[:-1]])
-        return cls(np.concatenate([p.data for p in parts]),
-                   np.concatenate([[0]] + [p.ptr[1:] + a for p, a in zip(parts, at)]).astype(np.int64))
+        return cls.packed(np.concatenate([p.values() for p in parts] + [np.zeros(0, dtype=np.int64)]),
+                          np.concatenate([p.lengths for p in parts] + [np.zeros(0, dtype=np.int64)]))
 
 
 @dataclass
@@ -129,9 +141,10 @@ class RankReads:
         """What a rank sends of its requests (`packing`; `unpacked` joins every rank's): the
         regions' width in 4-byte words (1: int32, 2: int64) and the columns, as int64s; each
         request's number of region values and the values, as 4-byte words."""
-        return aligned(np.int64(self.regions.data.itemsize // 4).tobytes()
+        regions = self.regions
+        return aligned(np.int64(regions.data.itemsize // 4).tobytes()
                        + np.ascontiguousarray(self.columns, dtype=np.int64).tobytes(),
-                       np.diff(self.regions.ptr).astype(np.int32).tobytes() + self.regions.data.tobytes())
+                       regions.lengths.astype(np.int32).tobytes() + regions.values().tobytes())
 
     @classmethod
     def unpacked(cls, joined: Joined, at: np.ndarray, nbytes: np.ndarray, counts: Sequence[int]) -> "RankReads":
@@ -151,13 +164,16 @@ class RankReads:
             raise ValueError(f"rank {wrong[0]} sent {nbytes[wrong[0]]} bytes that do not hold its {n[wrong[0]]} "
                              f"read requests")
         first = 2 * (head + 1 + 4 * n) + n  # each rank's first region word
-        if (width == 1).all():
-            data = joined.words[spans(first, values)]
-        else:  # some rank's values need int64: those come as pairs of words
-            data, wide, at_value = np.empty(values.sum(), dtype=np.int64), width == 2, np.cumsum(values) - values
-            data[spans(at_value[~wide], values[~wide])] = joined.words[spans(first[~wide], values[~wide])]
-            data[spans(at_value[wide], values[wide])] = joined.words[spans(first[wide], 2 * values[wide])].view(np.int64)
-        return cls(columns, Regions(data, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)))
+        if (width == 1).all():  # in place: each request's values where its rank's message holds them
+            before = np.cumsum(lengths) - lengths  # values before each request, of every rank
+            rank = np.repeat(np.arange(len(n)), n)
+            start = first[rank] + before - before[(np.cumsum(n) - n)[rank]]
+            return cls(columns, Regions(joined.words, start, start + lengths))
+        # some rank's values need int64: those come as pairs of words
+        data, wide, at_value = np.empty(values.sum(), dtype=np.int64), width == 2, np.cumsum(values) - values
+        data[spans(at_value[~wide], values[~wide])] = joined.words[spans(first[~wide], values[~wide])]
+        data[spans(at_value[wide], values[wide])] = joined.words[spans(first[wide], 2 * values[wide])].view(np.int64)
+        return cls(columns, Regions.packed(data, lengths))
 
     def __len__(self) -> int:
         return self.columns.shape[1]
@@ -339,9 +355,10 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
             reader = load.pick(ranks, needed)
         load.add(reader, end - start)
         if rank is None or rank in among or rank == reader:
-            at = bounds[k - 1] if k else 0
-            wants = tuple(w for g, i in zip(group[at:bounds[k]], user[at:bounds[k]]) for w in [regions[i]] * size[g])
-            out[StoredItem(files[f], int(offset[k]))] = Transfer(reader, ranks, wants, start, end, tag)
+            at, wants = bounds[k - 1] if k else 0, []
+            for g, i in zip(group[at:bounds[k]], user[at:bounds[k]]):  # a group's holders want alike
+                wants += [regions[i]] * size[g]
+            out[StoredItem(files[f], int(offset[k]))] = Transfer(reader, ranks, tuple(wants), start, end, tag)
     return Assignment(out, len(tags))
 
 
