@@ -12,8 +12,9 @@
 Reported: the global save plan (what the coordinator does), the metadata's size, the time to
 encode it (the commit, on one rank) and to decode it (every rank, once per load), beside the same
 for format version 1's encoding; a rank's own load plan on the decoded metadata plus the global
-read-once assignment (what every rank does on load); peak memory; and the bytes of the
-coordinator's collectives (`collectives`). Checksums are random, as real ones are (a zero packs
+read-once assignment (what every rank does on load); peak memory; the bytes of the
+coordinator's collectives (`collectives`) and of a load's all-gathers, with their unpickling
+(`load_exchange`). Checksums are random, as real ones are (a zero packs
 smaller).
 
 Run: .venv/bin/python bench/plan_scale.py [--layout llama70b|dsv3|kimik2] [--world N]
