@@ -79,7 +79,7 @@ class Regions:
     def packed(cls, values: np.ndarray, lengths: np.ndarray) -> "Regions":
         """`values` one request's after the other, `lengths[i]` of them request i's; in int32
         where every value fits (half the bytes sent, mostly)."""
-        if len(values) and -2**31 <= values.min() and values.max() < 2**31:
+        if not len(values) or (-2**31 <= values.min() and values.max() < 2**31):
             values = values.astype(np.int32)
         end = np.cumsum(lengths, dtype=np.int64)
         return cls(values, end - lengths, end)
