@@ -39,13 +39,12 @@ import numpy as np
 from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
 from ckpt_plugins._src.fragment import flat_views
 from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request, _spec_list, _wanted
-from ckpt_plugins._src.load_request import LoadRequest, LoadRequests
+from ckpt_plugins._src.load_request import LedRequests, LoadRequest, LoadRequests, key_runs
 from ckpt_plugins._src.loading import stored_keys
-from ckpt_plugins._src.packing import Joined
 from ckpt_plugins._src.saving import WriteReport
 from ckpt_plugins._src.plan import TensorSpec, data_file_names, plan_load, plan_save, spec_runs
-from ckpt_plugins._src.runs import RunGroups, run_groups, runs_of
-from ckpt_plugins._src.read_once import RankReads, assign_transfers, led_counts, led_reads, read_request
+from ckpt_plugins._src.runs import RunGroups, runs_of
+from ckpt_plugins._src.read_once import RankReads, assign_transfers, led_reads, read_request
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 8192, 28672, 80, 64, 8, 32000
 TP, PP = 8, 8
@@ -216,26 +215,28 @@ def collectives(gathered, rank_runs, plan) -> dict:
                 t_gather=time.perf_counter() - t0, send_mb=reply / 2**20, commit_mb=commit / 2**20)
 
 
-def load_exchange(requests, wanted, led, groups) -> Tuple[RankReads, RunGroups, dict]:
+def load_exchange(requests, wanted, led) -> Tuple[RankReads, RunGroups, dict]:
     """What a load's ranks all-gather before the read-once assignment, as the agreement pickles
     it, and a rank's time to unpickle and join it: first every rank's `LoadRequest` (its request
-    runs, and the stored keys it uses: `wanted`, its specs' here), then each its `led_reads` (the
-    requests of the runs it is the first holder of), both `packed`; beside every rank's whole
-    requests, which the second replaces. Returns the assignment's input: the joined requests and
+    runs, and the runs of the stored keys it uses: `wanted`, its specs' here), then each its
+    `LedRequests` (the requests and keys of the runs it is the first holder of), both `packed`;
+    beside every rank's whole requests, which the second replaces. Returns the assignment's input: the joined requests and
     every rank's runs, grouped."""
-    first = [pickle.dumps((None, LoadRequest(wanted=w, runs=r, host=f"host-{rank // 8}", path="ckpt").packed()))
-             for rank, (w, (_, r)) in enumerate(zip(wanted, requests))]
+    first = [LoadRequest(wanted=w, key_runs=k, runs=r, host=f"host-{rank // 8}", path="ckpt")
+             for rank, ((w, k), (_, r)) in enumerate(zip(wanted, requests))]
+    blobs = [pickle.dumps((None, r.packed())) for r in first]
     t0 = time.perf_counter()
-    runs = LoadRequests.of([pickle.loads(b)[1] for b in first]).runs
+    every = LoadRequests.of([pickle.loads(b)[1] for b in blobs])
     t_first = time.perf_counter() - t0
+    first_mb = sum(map(len, blobs)) / 2**20
     flat = sum(len(pickle.dumps(reads.packed())) for reads, _ in requests)
-    blobs = [pickle.dumps((None, r.packed())) for r in led]
+    blobs = [pickle.dumps((None, LedRequests(w[0][every.key_runs.led(rank)], r).packed()))
+             for rank, (w, r) in enumerate(zip(wanted, led(every.runs)))]
     t0 = time.perf_counter()
-    sent = Joined([pickle.loads(b)[1] for b in blobs], "read requests")
-    joined = RankReads.unpacked(sent, sent.start, sent.size, led_counts(groups))
-    return joined, runs, dict(load_request_mb=sum(map(len, first)) / 2**20, t_load_request=t_first,
-                              load_gather_mb=sum(map(len, blobs)) / 2**20, load_flat_mb=flat / 2**20,
-                              t_load_unpickle=time.perf_counter() - t0)
+    joined = LedRequests.of([pickle.loads(b)[1] for b in blobs], every)
+    return joined.reads, every.runs, dict(load_request_mb=first_mb, t_load_request=t_first,
+                                          load_gather_mb=sum(map(len, blobs)) / 2**20, load_flat_mb=flat / 2**20,
+                                          t_load_unpickle=time.perf_counter() - t0)
 
 
 def run(layout, world: int) -> dict:
@@ -259,11 +260,12 @@ def run(layout, world: int) -> dict:
         requests = [read_request(r) for r in reads]
         table = {f: i for i, f in enumerate(metadata.files)}
         keys = stored_keys(metadata)
-        used(templates[c], dict(zip(keys, range(len(keys)))))
+        used(templates[c], keys, dict(zip(keys, range(len(keys)))))
         return RankReads.of(requests, table), runs_of([r.key for r in reads], requests)
 
-    def used(specs, index):  # the keys a rank uses, as its LoadRequest sends them (its specs' here)
-        return np.array(sorted({index[s.key] for s in specs}), dtype=np.int32)
+    def used(specs, keys, index):  # the keys a rank uses and their runs, as its LoadRequest sends them (its specs')
+        wanted = np.array(sorted({index[s.key] for s in specs}), dtype=np.int32)
+        return wanted, key_runs(keys, wanted)
 
     part_plans = {}
 
@@ -319,12 +321,12 @@ def run(layout, world: int) -> dict:
     requests = {c: local_plan_by_parts(c, decoded, table) for c in templates}
     part_plans.clear()
     stage("read-once exchange")
-    groups = run_groups([requests[c][1] for c in coords])
-    index = {k: i for i, k in enumerate(stored_keys(decoded))}
-    wanted = {c: used(specs, index) for c, specs in templates.items()}
-    led, sent_runs, exchange = load_exchange([requests[c] for c in coords], [wanted[c] for c in coords],
-                                  [led_reads(requests[c][0], groups, rank) for rank, c in enumerate(coords)], groups)
-    del index, wanted
+    keys = stored_keys(decoded)
+    index = {k: i for i, k in enumerate(keys)}
+    wanted = {c: used(specs, keys, index) for c, specs in templates.items()}
+    led, sent_runs, exchange = load_exchange([requests[c] for c in coords], [wanted[c] for c in coords], lambda groups: (
+        led_reads(requests[c][0], groups, rank) for rank, c in enumerate(coords)))
+    del keys, index, wanted
     stage("read-once assignment")
     t0 = time.perf_counter()
     load_plan(world - 1)

@@ -70,10 +70,11 @@ def test_regions_travel_packed_and_come_back_as_they_were():
 
 def test_requests_travel_as_bytes_and_join_as_they_were():
     """Each rank's read requests and load request as bytes (`packed`), every rank's joined in one
-    pass (`RankReads.unpacked`, `LoadRequests.of`): the same requests in rank order, whatever each
-    rank's regions' width, however many it sent, with or without its reads, host, missing keys."""
+    pass (`RankReads.unpacked`, `LoadRequests.of`, `LedRequests.of`): the same requests in rank
+    order, whatever each rank's regions' width, however many it sent, with or without its reads,
+    host, missing keys; the keys several ranks use alike sent once."""
     import pickle
-    from ckpt_plugins._src.load_request import LoadRequest, LoadRequests
+    from ckpt_plugins._src.load_request import LedRequests, LoadRequest, LoadRequests, key_runs
     from ckpt_plugins._src.packing import Joined
     from ckpt_plugins._src.read_once import RankReads, ReadRequest as R
     from ckpt_plugins._src.runs import runs_of
@@ -96,18 +97,29 @@ def test_requests_travel_as_bytes_and_join_as_they_were():
     with pytest.raises(ValueError, match="rank 0 sent 64 bytes for 2 read requests"):
         RankReads.unpacked(one, one.start, one.size, [2])
 
-    requests = [LoadRequest(np.array([3, r], dtype=np.int32), [], runs_of(["model/w"] * len(q), q), reads[r],
-                            f"host-{r // 2}", "ckpt") for r, q in enumerate(sent)]
+    keys = ["model/a", "model/b", "model/c", "model/d", "optim/a"]
+    requests = [LoadRequest(np.array([r, 4], dtype=np.int32), key_runs(keys, np.array([r, 4])), [],
+                            runs_of(["model/w"] * len(q), q), reads[r], f"host-{r // 2}", "ckpt") for r, q in enumerate(sent)]
     requests[1].missing, requests[3].missing, requests[2].host = ["x/\u00e9"], ["y", "x/\u00e9"], None
     every = LoadRequests.of([r.packed() for r in requests])
     assert every.hosts == ["host-0", "host-0", None, "host-1"] and every.paths == ["ckpt"]
-    assert every.missing == ["x/\u00e9", "y"] and sorted(every.used.tolist()) == [0, 1, 2, 3, 3, 3, 3, 3]
+    assert every.missing == ["x/\u00e9", "y"] and sorted(every.used.tolist()) == [0, 1, 2, 3, 4, 4, 4, 4]
     assert [every.reads.request(i, files) for i in range(len(every.reads))] == [q for q in sent for q in q]
     assert every.runs.rank.tolist() == [0, 2, 3] and every.runs.count.tolist() == [1, 2, 2]
     requests[0].reads, requests[3].path = None, "other"  # one rank without its reads: none are used
+    requests[2].wanted = np.array([1, 4], dtype=np.int32)  # alike to rank 1's: rank 1 sends them
+    requests[2].key_runs = key_runs(keys, requests[2].wanted)
     every = LoadRequests.of([r.packed() for r in requests])
-    assert every.reads is None and every.paths == ["ckpt", "other"]
-    with pytest.raises(ValueError, match="rank 1 sent 88 bytes that do not hold its load request"):
+    assert every.reads is None and every.used is None and every.paths == ["ckpt", "other"]
+    assert every.key_runs.group.tolist() == [0, 1, 2, 1, 2, 1, 3, 1] and every.key_runs.count.tolist() == [1] * 8
+    led = [LedRequests.mine(r, reads[k], every, k) for k, r in enumerate(requests)]
+    assert [m.keys.tolist() for m in led] == [[0, 4], [1], [], [3]] and [len(m.reads) for m in led] == [1, 0, 2, 2]
+    joined = LedRequests.of([m.packed() for m in led], every)
+    assert joined.keys.tolist() == [0, 4, 1, 3]
+    assert [joined.reads.request(i, files) for i in range(len(joined.reads))] == [q for q in sent for q in q]
+    with pytest.raises(ValueError, match="rank 1 sent 0 bytes, short of the 8 bytes of its 1 key indices"):
+        LedRequests.of([led[0].packed(), b""] + [m.packed() for m in led[2:]], every)
+    with pytest.raises(ValueError, match="rank 1 sent 176 bytes that do not hold its load request"):
         LoadRequests.of([requests[0].packed(), requests[1].packed()[:-8]])
 
 

@@ -1,28 +1,34 @@
-"""What one rank tells the others before a load's data moves (`LoadRequest`), sent as plain bytes,
-and every rank's joined on every rank in one pass on arrays (`LoadRequests`): see `packing`.
+"""What one rank tells the others before a load's data moves (`LoadRequest`), and in a second
+message where the job is too big to send its reads at once (`LedRequests`: what it sends for the
+ranks alike to it); each sent as plain bytes, every rank's joined on every rank in one pass on
+arrays (`LoadRequests`, `LedRequests.of`): see `packing`.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .packing import Joined, aligned, padded, spans
-from .read_once import RankReads
-from .runs import DIGEST_BYTES, Run, RunGroups
+from .read_once import RankReads, led_reads
+from .runs import DIGEST_BYTES, Run, RunGroups, runs_of
 
-_FIELDS = 6  # the header: runs, wanted keys, bytes of missing keys, host, path, reads (-1: none)
+_FIELDS = 7  # the header: runs, key runs, wanted keys, bytes of missing keys, host, path, reads (-1: none)
 
 
 @dataclass
 class LoadRequest:
-    """One rank's: the stored keys it uses (int32 indices into `stored_keys`) and those it misses;
-    its read requests' runs (`runs_of`: replicas' alike runs), and the requests themselves where
-    the job is small enough to send them at once (`loading.INLINE_READS`); its host (ranks of
-    one host exchange through shared memory); the checkpoint it loads (the same on every rank)."""
+    """One rank's: the stored keys it uses (`wanted`: int32 indices into `stored_keys`, with
+    their `key_runs`: `runs_of` them, a run per top-level key) and those it misses; its read
+    requests' runs (`runs_of`: replicas' alike runs), and the requests themselves where the job
+    is small enough to send them at once (`loading.INLINE_READS`); its host (ranks of one host
+    exchange through shared memory); the checkpoint it loads (the same on every rank). The keys
+    it uses go with its reads; without them, only their runs: replicas use the same model keys,
+    which the first of them sends, in `LedRequests`."""
     wanted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    key_runs: List[Run] = field(default_factory=list)
     missing: List[str] = field(default_factory=list)
     runs: List[Run] = field(default_factory=list)
     reads: Optional[RankReads] = None
@@ -33,20 +39,32 @@ class LoadRequest:
         missing = json.dumps(self.missing).encode() if self.missing else b""
         host = None if self.host is None else self.host.encode()
         path, reads = self.path.encode(), None if self.reads is None else self.reads.packed()
-        header = [len(self.runs), len(self.wanted), len(missing), -1 if host is None else len(host), len(path),
-                  -1 if reads is None else len(reads)]
-        return aligned(np.array(header, dtype=np.int64).tobytes(), np.array([r.count for r in self.runs], dtype=np.int64)
-                       .tobytes(), b"".join(r.digest for r in self.runs), self.wanted.astype(np.int32).tobytes(),
-                       missing, host or b"", path) + (reads or b"")
+        header = [len(self.runs), len(self.key_runs), len(self.wanted), len(missing), -1 if host is None else len(host),
+                  len(path), -1 if reads is None else len(reads)]
+        return aligned(np.array(header, dtype=np.int64).tobytes(), *_packed_runs(self.runs), *_packed_runs(self.key_runs),
+                       b"" if reads is None else self.wanted.astype(np.int32).tobytes(), missing, host or b"",
+                       path) + (reads or b"")
+
+
+def key_runs(keys: Sequence[str], wanted: np.ndarray) -> List[Run]:
+    """`LoadRequest.key_runs` of the stored keys `wanted` (indices into `keys`)."""
+    wanted = wanted.tolist()
+    return runs_of([keys[i] for i in wanted], wanted)
+
+
+def _packed_runs(runs: Sequence[Run]) -> Tuple[bytes, bytes]:
+    return np.array([r.count for r in runs], dtype=np.int64).tobytes(), b"".join(r.digest for r in runs)
 
 
 @dataclass
 class LoadRequests:
-    """Every rank's `LoadRequest`, joined: their runs grouped, every key some rank uses (`used`:
-    indices, repeated), every key some rank misses, each rank's host, the distinct paths, and
-    every rank's read requests one rank after the other where every rank sent them."""
+    """Every rank's `LoadRequest`, joined: their runs and key runs grouped; where every rank sent
+    its reads, every key some rank uses (`used`: indices, repeated) and every rank's read requests
+    one rank after the other (else both None: see `LedRequests`); every key some rank misses,
+    each rank's host, the distinct paths."""
     runs: RunGroups
-    used: np.ndarray
+    key_runs: RunGroups
+    used: Optional[np.ndarray]
     missing: List[str]
     hosts: List[Optional[str]]
     paths: List[str]
@@ -55,11 +73,13 @@ class LoadRequests:
     @classmethod
     def of(cls, blobs: Sequence[bytes]) -> "LoadRequests":
         joined = Joined(blobs, "a load request")
-        runs, wanted, missing, host, path, reads = joined.header(_FIELDS).T
+        runs, runs_k, wanted, missing, host, path, reads = joined.header(_FIELDS).T
         at = joined.start + 8 * _FIELDS  # each section's first byte, rank by rank
         counts, at = at, at + 8 * runs
         digests, at = at, at + padded(DIGEST_BYTES * runs)
-        indices, at = at, at + padded(4 * wanted)
+        counts_k, at = at, at + 8 * runs_k
+        digests_k, at = at, at + padded(DIGEST_BYTES * runs_k)
+        indices, at = at, at + np.where(reads < 0, 0, padded(4 * wanted))
         missed, at = at, at + padded(missing)
         hosts, at = at, at + padded(np.maximum(host, 0))
         paths, at = at, at + padded(path)
@@ -67,13 +87,48 @@ class LoadRequests:
         if len(wrong):
             raise ValueError(f"rank {wrong[0]} sent {joined.size[wrong[0]]} bytes that do not hold its load request")
         names = joined.strings(hosts, np.maximum(host, 0)).tolist()
-        groups = RunGroups.of(joined.bytes[spans(digests, DIGEST_BYTES * runs)].view(f"S{DIGEST_BYTES}"),
-                              joined.longs[spans(counts // 8, runs)], runs)
-        held = np.bincount(groups.rank, weights=groups.count, minlength=len(runs)).astype(np.int64)
+
+        def grouped(counts, digests, n, lengths=None):
+            return RunGroups.of(joined.longs[spans(digests // 8, DIGEST_BYTES // 8 * n)].view(f"S{DIGEST_BYTES}"),
+                                joined.longs[spans(counts // 8, n)], n, lengths)
+
+        groups = grouped(counts, digests, runs)
+        inline = not (reads < 0).any()
         return cls(
-            runs=groups, used=joined.words[spans(indices // 4, wanted)],
+            runs=groups, key_runs=grouped(counts_k, digests_k, runs_k, wanted),
+            used=joined.words[spans(indices // 4, wanted)] if inline else None,
             missing=sorted({k for r in np.flatnonzero(missing).tolist()
                             for k in json.loads(joined.buffer[missed[r]:missed[r] + missing[r]])}),
             hosts=[None if n < 0 else name.decode() for n, name in zip(host.tolist(), names)],
             paths=sorted({p.decode() for p in joined.strings(paths, path).tolist()}),
-            reads=None if (reads < 0).any() else RankReads.unpacked(joined, at, reads, held))
+            reads=RankReads.unpacked(joined, at, reads, groups.held()) if inline else None)
+
+
+@dataclass
+class LedRequests:
+    """What one rank sends in a load's second all-gather, where the first did not hold its reads
+    (`LoadRequests.reads` None): the keys in its key runs that it is the first holder of, and its
+    `led_reads`. Joined (`of`): every key some rank uses (indices, repeated), and
+    every rank's led reads one rank after the other."""
+    keys: np.ndarray
+    reads: RankReads
+
+    @classmethod
+    def mine(cls, request: LoadRequest, reads: RankReads, every: LoadRequests, rank: int) -> "LedRequests":
+        """`rank`'s, whose `request` and read requests `reads` every rank's joined in `every`."""
+        return cls(request.wanted[every.key_runs.led(rank)], led_reads(reads, every.runs, rank))
+
+    def packed(self) -> bytes:
+        return aligned(self.keys.astype(np.int32).tobytes()) + self.reads.packed()
+
+    @classmethod
+    def of(cls, blobs: Sequence[bytes], every: LoadRequests) -> "LedRequests":
+        joined = Joined(blobs, "read requests")
+        keys = every.key_runs.led_counts()
+        skip = padded(4 * keys)
+        short = np.flatnonzero(joined.size < skip)
+        if len(short):
+            raise ValueError(f"rank {short[0]} sent {joined.size[short[0]]} bytes, short of the {skip[short[0]]} bytes "
+                             f"of its {keys[short[0]]} key indices")
+        reads = RankReads.unpacked(joined, joined.start + skip, joined.size - skip, every.runs.led_counts())
+        return cls(joined.words[spans(joined.start // 4, keys)], reads)

@@ -26,10 +26,9 @@ from .host_share import HostMetadata
 from .fragment import Fragment
 from .errors import CheckpointError, LoadMismatchError
 from .plan import LoadPlan, ReadItem, candidate_keys, plan_load, resolve_key, specs_of
-from .load_request import LoadRequest, LoadRequests
-from .packing import Joined
+from .load_request import LedRequests, LoadRequest, LoadRequests, key_runs
 from .runs import RunGroups, runs_of
-from .read_once import RankReads, StoredItem, Transfer, assign_transfers, led_counts, led_reads, read_request
+from .read_once import RankReads, StoredItem, Transfer, assign_transfers, read_request
 from .results import LoadResult
 from .state import LoadItems, root_handler
 from .storage import Storage
@@ -55,6 +54,7 @@ class Load:
         self.transforms = 0  # the first finish steps: the transforms'
         self.loaded: List[Filled] = []  # verify: what landed in them
         self.metadata, self.plan, self.before = None, None, 0
+        self.request: Optional[LoadRequest] = None  # this rank's
         self.requests: Optional[LoadRequests] = None  # every rank's
         self.files: List[str] = []  # the checkpoint's file table, which read requests index
         self.keys: List[str] = []  # its stored keys, which `LoadRequest.wanted` indexes
@@ -94,21 +94,22 @@ class Load:
                                   f"({', '.join(paths)}); every rank must load the same checkpoint. Nothing was loaded")
         self.runs = requests.runs
         if requests.reads is not None:
-            self.led = requests.reads.take(self.runs.leading())
+            self.led, keys = requests.reads.take(self.runs.leading()), requests.used
         else:
-            sent = Joined(coord.agreed(lambda: led_reads(self.reads, self.runs, coord.rank).packed(), what=self.what,
-                                       then="Nothing was loaded"), "read requests")
-            self.led = RankReads.unpacked(sent, sent.start, sent.size, led_counts(self.runs))
+            led = LedRequests.of(coord.agreed(lambda: LedRequests.mine(self.request, self.reads, requests, coord.rank)
+                                              .packed(), what=self.what, then="Nothing was loaded"), requests)
+            self.led, keys = led.reads, led.keys
         recorder.add("agree", planned[0] if planned else t0, time.time())
         used = np.zeros(len(self.keys), dtype=bool)
-        used[requests.used] = True
+        used[keys] = True
         return LoadResult(missing_keys=requests.missing,
                           unexpected_keys=sorted(itertools.compress(self.keys, (~used).tolist())))
 
     def _request(self, planned: list) -> LoadRequest:
         """This rank's metadata, handlers' items and load plan, as what it tells the others
         (`planned` gets the time it was done)."""
-        recorder, request = self.recorder, LoadRequest(host=shm.host_key(), path=self.storage.identity)
+        recorder = self.recorder
+        self.request = request = LoadRequest(host=shm.host_key(), path=self.storage.identity)
         with recorder.phase("metadata"):
             self.metadata = metadata = self.shared.read()
             self.base = delta.opened(self.storage, metadata)  # a delta's base, there and unchanged
@@ -128,6 +129,7 @@ class Load:
         self.keys = stored_keys(metadata)
         index = dict(zip(self.keys, range(len(self.keys))))
         request.wanted = np.array(sorted(index[k] for k in wanted if k in index), dtype=np.int32)
+        request.key_runs = key_runs(self.keys, request.wanted)
         request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects] + found
         reads = [read_request(r) for r in plan.reads]
         request.runs = runs_of([r.key for r in plan.reads], reads)

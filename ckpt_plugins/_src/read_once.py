@@ -255,11 +255,6 @@ def led_reads(reads: RankReads, runs: RunGroups, rank: int) -> RankReads:
     return reads if len(led) == len(reads) else reads.take(led)
 
 
-def led_counts(runs: RunGroups) -> np.ndarray:
-    """How many requests each rank sends (`led_reads`)."""
-    return np.bincount(runs.rank[runs.first], weights=runs.count[runs.first], minlength=runs.world).astype(np.int64)
-
-
 @gc_paused
 def assign_transfers(reads: RankReads, runs: RunGroups, files: Sequence[str], rank: Optional[int] = None,
                      readers: Optional[Callable[[str], Optional[Sequence[int]]]] = None) -> Assignment:

@@ -60,10 +60,18 @@ class RunGroups:
         lead = mine[self.first[self.group[mine]] == mine]
         return spans(self.start[lead], self.count[lead])
 
+    def held(self) -> np.ndarray:
+        """How many items each rank holds."""
+        return np.bincount(self.rank, weights=self.count, minlength=self.world).astype(np.int64)
+
+    def led_counts(self) -> np.ndarray:
+        """How many items each rank leads (`led` gives their positions)."""
+        return np.bincount(self.rank[self.first], weights=self.count[self.first], minlength=self.world).astype(np.int64)
+
     def leading(self) -> np.ndarray:
         """The positions of every group's items in every rank's list, joined rank by rank: its
         first holder's (what `led` gives of each rank, one after the other)."""
-        held = np.bincount(self.rank, weights=self.count, minlength=self.world).astype(np.int64)
+        held = self.held()
         return spans((np.cumsum(held) - held)[self.rank[self.first]] + self.start[self.first], self.count[self.first])
 
     @classmethod
