@@ -41,9 +41,9 @@ class LoadRequest:
         path, reads = self.path.encode(), None if self.reads is None else self.reads.packed()
         header = [len(self.runs), len(self.key_runs), len(self.wanted), len(missing), -1 if host is None else len(host),
                   len(path), -1 if reads is None else len(reads)]
-        return aligned(np.array(header, dtype=np.int64).tobytes(), *_packed_runs(self.runs), *_packed_runs(self.key_runs),
-                       b"" if reads is None else self.wanted.astype(np.int32).tobytes(), missing, host or b"",
-                       path) + (reads or b"")
+        return aligned(np.array(header, dtype=np.int64).tobytes(), *_packed_runs(self.runs),
+                       *_packed_runs(self.key_runs), b"" if reads is None else self.wanted.astype(np.int32).tobytes(),
+                       missing, host or b"", path) + (reads or b"")
 
 
 def key_runs(keys: Sequence[str], wanted: np.ndarray) -> List[Run]:

@@ -88,10 +88,10 @@ class Load:
         finally:  # every rank has read the metadata by now
             self.shared.release()
         self.requests = requests = LoadRequests.of(sent)
-        paths = requests.paths
-        if len(paths) > 1:  # every rank sees all of them: every rank raises this
+        if len(requests.paths) > 1:  # every rank sees all of them: every rank raises this
             raise CheckpointError(f"{self.what} failed: the ranks of one load passed different paths "
-                                  f"({', '.join(paths)}); every rank must load the same checkpoint. Nothing was loaded")
+                                  f"({', '.join(requests.paths)}); every rank must load the same checkpoint. "
+                                  "Nothing was loaded")
         self.runs = requests.runs
         if requests.reads is not None:
             self.led, keys = requests.reads.take(self.runs.leading()), requests.used

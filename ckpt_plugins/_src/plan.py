@@ -448,17 +448,18 @@ class LeastLoaded:
 
     def __init__(self, world: int):
         self.load = [0] * world
-        self._heaps: Dict[object, List[Tuple[int, int]]] = {}  # by the ranks, or the set's name
+        self._by_ranks: Dict[Tuple[int, ...], List[Tuple[int, int]]] = {}
+        self._by_name: Dict[int, List[Tuple[int, int]]] = {}
 
     def add(self, rank: int, nbytes: int) -> None:
         self.load[rank] += nbytes
 
     def pick(self, ranks: Tuple[int, ...], name: Optional[int] = None) -> int:
         """`name`: a number naming the set instead of its ranks (cheaper to look up)."""
-        key = ranks if name is None else name
-        heap = self._heaps.get(key)
+        heaps, key = (self._by_ranks, ranks) if name is None else (self._by_name, name)
+        heap = heaps.get(key)
         if heap is None:
-            heap = self._heaps[key] = [(self.load[r], r) for r in ranks]
+            heap = heaps[key] = [(self.load[r], r) for r in ranks]
             heapq.heapify(heap)
         while heap[0][0] != self.load[heap[0][1]]:
             heapq.heapreplace(heap, (self.load[heap[0][1]], heap[0][1]))

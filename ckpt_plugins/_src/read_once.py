@@ -335,8 +335,9 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
     ends = np.maximum.reduceat(rows.end[users], cut) if len(cut) else cut
     file, offset = rows.file[users[cut]], rows.offset[users[cut]]
     tags = np.lexsort((offset, file, starts - ends))
-    sets, needers = _needer_sets(rows.group[users], cut, stop, groups, rank is not None)
-    group, user, bounds, size = rows.group[users].tolist(), users.tolist(), stop.tolist(), groups.size.tolist()
+    group = rows.group[users]
+    sets, needers = _needer_sets(group, cut, stop, groups, rank is not None)
+    group, user, bounds, size = group.tolist(), users.tolist(), stop.tolist(), groups.size.tolist()
     out: Dict[StoredItem, Transfer] = {}
     for tag, (k, needed, f, start, end) in enumerate(zip(tags.tolist(), sets[tags].tolist(), file[tags].tolist(),
                                                           starts[tags].tolist(), ends[tags].tolist())):
