@@ -24,6 +24,7 @@ from .foreign.view import ForeignMetadata, transformed
 from .format import stored_entries
 from .host_share import HostMetadata
 from .fragment import Fragment
+from .gcpause import gc_paused
 from .errors import CheckpointError, LoadMismatchError
 from .plan import LoadPlan, ReadItem, candidate_keys, plan_load, resolve_key, specs_of
 from .load_request import LedRequests, LoadRequest, LoadRequests, key_runs
@@ -197,7 +198,7 @@ class Load:
         named = [h for h in hosts if h is not None]
         if not (assignment.shared and self.shared_memory and len(set(named)) < len(named)):  # some host holds two
             hosts = None
-        work = ReadWork(reads, self.items.fragments, {k: m.dtype for k, m in metadata.tensors.items()},
+        work = ReadWork(reads, self.items.fragments, {r.key: metadata.tensors[r.key].dtype for r in reads},
                         metadata.chunk_bytes, transfers, hosts, self.base)
         return read_items(self.storage, work, coord, self.storage.read_parallelism(self.read_threads), self.recorder)
 
@@ -219,6 +220,7 @@ class Load:
         return sorted({frags[c.target].key for r in plan.reads for c in r.copies})
 
 
+@gc_paused  # its many small objects (fragments, plans) die with it: a collection then would scan a job's whole heap
 def load(storage: Storage, state: Dict[str, Any], coord: Coordinator, *, strict: bool, **options) -> LoadResult:
     """Load a checkpoint into `state` in place, following its base reference (`base_ref`) when it
     has one: the base's tensors for the state entries the checkpoint left to it, then its own; the
