@@ -220,8 +220,8 @@ def load_exchange(requests, wanted, led) -> Tuple[RankReads, RunGroups, dict]:
     it, and a rank's time to unpickle and join it: first every rank's `LoadRequest` (its request
     runs, and the runs of the stored keys it uses: `wanted`, its specs' here), then each its
     `LedRequests` (the requests and keys of the runs it is the first holder of), both `packed`;
-    beside every rank's whole requests, which the second replaces. Returns the assignment's input: the joined requests and
-    every rank's runs, grouped."""
+    beside every rank's whole requests, which the second replaces. Returns the assignment's
+    input: the joined requests and every rank's runs, grouped."""
     first = [LoadRequest(wanted=w, key_runs=k, runs=r, host=f"host-{rank // 8}", path="ckpt")
              for rank, ((w, k), (_, r)) in enumerate(zip(wanted, requests))]
     blobs = [pickle.dumps((None, r.packed())) for r in first]

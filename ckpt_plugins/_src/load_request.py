@@ -26,7 +26,8 @@ class LoadRequest:
     is small enough to send them at once (`loading.INLINE_READS`); its host (ranks of one host
     exchange through shared memory); the checkpoint it loads (the same on every rank). The keys
     it uses go with its reads; without them, only their runs: replicas use the same model keys,
-    which the first of them sends, in `LedRequests`."""
+    which the first of them sends, in `LedRequests`. The key runs go in either case: one rank
+    with too many reads to send at once sends every rank down that path."""
     wanted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     key_runs: List[Run] = field(default_factory=list)
     missing: List[str] = field(default_factory=list)
@@ -108,8 +109,8 @@ class LoadRequests:
 class LedRequests:
     """What one rank sends in a load's second all-gather, where the first did not hold its reads
     (`LoadRequests.reads` None): the keys in its key runs that it is the first holder of, and its
-    `led_reads`. Joined (`of`): every key some rank uses (indices, repeated), and
-    every rank's led reads one rank after the other."""
+    `led_reads`. Joined (`of`): every key some rank uses (indices, repeated), and every rank's
+    led reads one rank after the other."""
     keys: np.ndarray
     reads: RankReads
 
