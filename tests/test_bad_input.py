@@ -245,3 +245,46 @@ def test_a_full_disk_found_when_a_file_is_flushed_is_the_error_reported(tmp_path
     assert failed
     with pytest.raises(cp.IncompleteCheckpointError):
         cp.read_metadata(tmp_path / "c")
+
+
+def test_a_full_disk_is_the_error_reported_when_the_flush_after_it_fails_too(tmp_path, monkeypatch):
+    """A write that finds the disk full, then a failing fsync as the file is closed: the full disk
+    is the error reported, by the offline writer (`bcp import-*`) and by a memory step's persist,
+    and nothing is committed."""
+    import shutil
+    import tempfile
+    from ckpt_plugins._src import shm
+    from ckpt_plugins.ext import LazyFragment, write_checkpoint
+    real_pwrite, real_fsync, target = os.pwrite, os.fsync, str(tmp_path / "full")
+
+    def on_target(fd):
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(target)
+
+    def pwrite(fd, data, offset):
+        if on_target(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    def fsync(fd):
+        if on_target(fd):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_fsync(fd)
+
+    w = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    memory = tempfile.mkdtemp(prefix="ckpt-tier-", dir=shm.SHM_DIR)
+    try:
+        mgr = cp.CheckpointManager(tmp_path / "full" / "run", memory_every=1, persist_every=2, memory_dir=memory)
+        mgr.save_async(1, {"w": w}).wait()
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        monkeypatch.setattr(os, "fsync", fsync)
+        with pytest.raises(OSError, match=r"\[Errno 28\] No space left on device"):
+            write_checkpoint(tmp_path / "full" / "offline", [LazyFragment("w", w.shape, w.dtype, (0, 0), w.shape,
+                                                                          lambda: w)])
+        with pytest.raises(cp.SaveError, match=r"rank 0: OSError: \[Errno 28\] No space left on device"):
+            mgr.save_async(2, {"w": w + 1}).wait()
+        monkeypatch.undo()
+        for path in ("offline", "run/step_2"):
+            with pytest.raises((cp.IncompleteCheckpointError, cp.NotACheckpointError)):
+                cp.read_metadata(tmp_path / "full" / path)
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)

@@ -22,7 +22,7 @@ from .fragment import Fragment, sub_view
 from .objects import encode_object
 from .foreign.view import transformed
 from .plan import TensorSpec, place, plan_load, plan_save, specs_of
-from .storage import AlignedStream, Storage, storage_for
+from .storage import AlignedStream, Storage, durable, storage_for
 
 
 @dataclass
@@ -114,7 +114,7 @@ class _SequentialFile:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.writer.close()
+        durable(self.writer).__exit__(*exc)
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict
 
-from .base import Storage, Writer
+from .base import Storage, Writer, durable
 from .local import LocalStorage
 from .stream import AlignedStream
 
-__all__ = ["Storage", "Writer", "LocalStorage", "AlignedStream", "storage_for", "register_scheme"]
+__all__ = ["Storage", "Writer", "LocalStorage", "AlignedStream", "durable", "storage_for", "register_scheme"]
 
 _SCHEMES: Dict[str, Callable[[str], Storage]] = {}
 

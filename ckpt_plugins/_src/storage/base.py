@@ -6,6 +6,7 @@ rename across files, listing order, or appends.
 """
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import List, Optional, Sequence
 
@@ -20,6 +21,25 @@ class Writer(ABC):
     @abstractmethod
     def close(self) -> None:
         """Make everything written durable, then release the file."""
+
+
+class durable:
+    """`with durable(writer):` the block writes, then `writer` is closed (made durable). After a
+    failed block, the writer is closed all the same, and a close that fails too (the fsync of a
+    full disk) is not reported over the block's failure."""
+
+    def __init__(self, writer: Writer):
+        self.writer = writer
+
+    def __enter__(self) -> Writer:
+        return self.writer
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.writer.close()
+            return
+        with contextlib.suppress(Exception):
+            self.writer.close()
 
 
 class Storage(ABC):

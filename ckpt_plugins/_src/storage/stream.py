@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..hostmem import PAGE as ALIGN
-from .base import Writer
+from .base import Writer, durable
 
 DIRECT = 1 << 20  # aligned data this long goes to the writer as it is, not through the buffer
 
@@ -38,11 +38,9 @@ class AlignedStream:
 
     def close(self) -> None:
         """Write what is left, make everything durable, release the file."""
-        try:
+        with durable(self.writer):
             if self.fill:
                 self.writer.write(self.buffer[:self.fill])
-        finally:
-            self.writer.close()
 
 
 def address(view: memoryview) -> int:

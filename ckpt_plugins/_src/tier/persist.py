@@ -11,7 +11,7 @@ from ..commit import Commit, generation_file
 from ..coordinator import Coordinator
 from ..errors import SaveError
 from ..metadata_codec import decode_metadata
-from ..storage import Storage
+from ..storage import Storage, durable
 from ..hostmem import aligned_empty
 from .hostdir import PIECE, HostDir, pieces
 
@@ -36,13 +36,10 @@ def persist(coord: Coordinator, host: HostDir, step: int, files: Dict[str, int],
     def write(generation: int) -> None:
         buffer = aligned_empty(PIECE)  # page aligned: the writer can bypass the page cache
         for name in sorted(files):
-            writer = target.open_writer(generation_file(name, generation))
-            try:
+            with durable(target.open_writer(generation_file(name, generation))) as writer:
                 for _, offset, n in pieces({name: files[name]}):
                     host.read_piece(step, name, offset, buffer[:n])
                     writer.write(buffer[:n].numpy())
-            finally:
-                writer.close()
 
     def commit() -> None:
         if opened:
