@@ -38,12 +38,14 @@ import numpy as np
 
 from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
 from ckpt_plugins._src.fragment import flat_views
-from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request, _spec_list, _wanted
+from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request
 from ckpt_plugins._src.load_request import LedRequests, LoadRequest, LoadRequests, key_runs
 from ckpt_plugins._src.loading import stored_keys
 from ckpt_plugins._src.saving import WriteReport
-from ckpt_plugins._src.plan import TensorSpec, data_file_names, plan_load, plan_save, spec_runs
+from ckpt_plugins._src.plan import TensorSpec, plan_load
 from ckpt_plugins._src.runs import RunGroups, runs_of
+from ckpt_plugins._src.save_plan import data_file_names, plan_save, spec_runs
+from ckpt_plugins._src.save_request import PlanRequests, first_held, joined_runs, runs_asked, runs_message
 from ckpt_plugins._src.read_once import RankReads, assign_transfers, led_reads, read_request
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 8192, 28672, 80, 64, 8, 32000
@@ -192,27 +194,40 @@ def version_1(metadata) -> bytes:
     return json.dumps({"format": "ckpt_plugins", "version": 1, **body}, separators=(",", ":")).encode()
 
 
-def collectives(gathered, rank_runs, plan) -> dict:
+def plan_requests(gathered, rank_runs) -> Tuple[list, list]:
+    """What the coordinator gathers for a new save plan, pickled as the gathers pickle it: the
+    ranks' run digests, then each distinct run's specs from its first holder (`plan_cache`)."""
+    digests = [pickle.dumps(runs_message(runs)) for runs in rank_runs]
+    asked = first_held(joined_runs([pickle.loads(b) for b in digests]))
+    return digests, [pickle.dumps(_request(Structure(specs, {}, []), runs, runs_asked(a)).packed())
+                     for specs, runs, a in zip(gathered, rank_runs, asked)]
+
+
+def joined_requests(digests, requests) -> Tuple[PlanRequests, RunGroups]:
+    """What the coordinator makes of what it gathers: the runs grouped, its answer to each rank
+    (`first_held`), the requests joined: `plan_save`'s input."""
+    groups = joined_runs([pickle.loads(b) for b in digests])
+    first_held(groups)
+    return PlanRequests.of([pickle.loads(b) for b in requests]), groups
+
+
+def collectives(gathered, rank_runs, plan, digests, requests) -> dict:
     """What the coordinator receives and sends, pickled as the collectives pickle them: the save
-    plan's run digests, then each distinct run's specs from its first holder (`plan_cache`), beside
-    the gather of every rank's whole spec list it replaces; the plan's replies; the commit's
-    gather of each rank's checksums and file sizes. Also the coordinator's time to unpickle the
-    specs it gathers and turn them into `plan_save`'s input (the bench's planner figures start
-    from that input)."""
-    wanted = _wanted(rank_runs)
-    flat = digests = reply = commit = 0
-    blobs = []
+    plan's run digests and `plan_requests`, beside the gather of every rank's whole spec list it
+    replaces; the plan's replies, with the time to make them; the commit's gather of each rank's
+    checksums and file sizes."""
+    t0 = time.perf_counter()
+    replies = [pickle.dumps(PlanReply(None, plan.packed(rank), [], plan.balance, plan.chunk_bytes))
+               for rank in range(len(gathered))]
+    t_send = time.perf_counter() - t0
+    flat, reply, commit = 0, sum(map(len, replies)), 0
+    del replies
     for rank, (specs, runs) in enumerate(zip(gathered, rank_runs)):
         flat += len(pickle.dumps((Structure(specs, {}, []), runs)))
-        digests += len(pickle.dumps(runs))
-        blobs.append(pickle.dumps(_request(Structure(specs, {}, []), runs, wanted[rank])))
-        reply += len(pickle.dumps(wanted[rank])) + len(pickle.dumps(PlanReply(None, plan.writes[rank], [], plan.balance)))
         sizes = {f: plan.metadata.files[f] for f in data_file_names(rank, FILES_PER_RANK) if f in plan.metadata.files}
         commit += len(pickle.dumps(WriteReport(None, [e.crc32c for e in plan.stored[rank]], {}, sizes)))
-    t0 = time.perf_counter()
-    [_spec_list(pickle.loads(b)) for b in blobs]
-    return dict(gather_flat_mb=flat / 2**20, gather_mb=(digests + sum(map(len, blobs))) / 2**20,
-                t_gather=time.perf_counter() - t0, send_mb=reply / 2**20, commit_mb=commit / 2**20)
+    return dict(gather_flat_mb=flat / 2**20, gather_mb=(sum(map(len, digests)) + sum(map(len, requests))) / 2**20,
+                send_mb=reply / 2**20, t_send=t_send, commit_mb=commit / 2**20)
 
 
 def load_exchange(requests, wanted, led) -> Tuple[RankReads, RunGroups, dict]:
@@ -252,8 +267,10 @@ def run(layout, world: int) -> dict:
     gathered = [templates[c] for c in coords]
     rank_runs = [runs[c] for c in coords]
 
-    def save_plan():
-        return plan_save(gathered, files_per_rank=FILES_PER_RANK, digests=rank_runs)
+    sent = plan_requests(gathered, rank_runs)
+
+    def save_plan(requests, groups):
+        return plan_save(requests.specs, groups, files_per_rank=FILES_PER_RANK)
 
     def local_plan(c, metadata):  # what one rank does for itself: its reads and their runs, the keys it uses
         reads = plan_load(metadata, templates[c]).reads
@@ -286,7 +303,10 @@ def run(layout, world: int) -> dict:
 
     stage("save plan")
     t0 = time.perf_counter()
-    plan = save_plan()
+    joined, groups = joined_requests(*sent)
+    t_gather = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plan = save_plan(joined, groups)
     t_save = time.perf_counter() - t0
     rnd = random.Random(0)
     for meta in plan.metadata.tensors.values():  # checksums as the commit fills them in
@@ -336,7 +356,7 @@ def run(layout, world: int) -> dict:
     stage("peak memory")
     gc.collect()
     tracemalloc.start()
-    save_plan()
+    save_plan(joined, groups)
     _, peak_save = tracemalloc.get_traced_memory()
     tracemalloc.reset_peak()
     load_plan(world - 1)
@@ -344,9 +364,9 @@ def run(layout, world: int) -> dict:
     tracemalloc.stop()
     read_once = sum(t.end - t.start for t in transfers.values())
     stage("collectives")
-    sizes = collectives(gathered, rank_runs, plan)
+    sizes = collectives(gathered, rank_runs, plan, *sent)
     return dict(world=world, specs=sum(map(len, gathered)), boxes=sum(len(t.boxes) for t in plan.metadata.tensors.values()),
-                t_save=t_save, balance=plan.balance, meta_mb=len(encoded) / 2**20, t_encode=t_encode, t_parse=t_parse,
+                t_save=t_save, t_gather=t_gather, balance=plan.balance, meta_mb=len(encoded) / 2**20, t_encode=t_encode, t_parse=t_parse,
                 meta_v1_mb=v1_mb, t_encode_v1=t_encode_v1, t_parse_v1=t_parse_v1,
                 t_load=t_load, read_gb=read_once / 1e9, total_gb=plan.metadata.total_bytes / 1e9,
                 peak_mb=max(peak_save, peak_load) / 2**20, **sizes, **exchange)
@@ -378,13 +398,13 @@ def main() -> None:
                       and r["t_parse"] < DECODE_S
                       and r["peak_mb"] < peak_mb and r["meta_mb"] < (meta_mb or math.inf))
                 print(f"       targets (each plan with its gather's unpickling): {'met' if ok else 'MISSED'}")
-        print(f"the coordinator's collectives, MB as pickled (s at {LINK_GBS:g} GB/s), and its unpickling of the gathered specs:")
+        print(f"the coordinator's collectives, MB as pickled (s at {LINK_GBS:g} GB/s), and its unpickling and joining of the gathered specs:")
         print(f"{'ranks':>6} {'plan gather MB':>14} {'s':>5} {'flat gather MB':>14} {'s':>5} {'unpickle s':>10} "
-              f"{'plan send MB':>12} {'commit gather MB':>16} {'s':>5}")
+              f"{'plan send MB':>12} {'s':>5} {'making s':>8} {'commit gather MB':>16} {'s':>5}")
         for r in rows:
             print(f"{r['world']:>6} {r['gather_mb']:>14,.0f} {link_s(r['gather_mb']):>5.2f} {r['gather_flat_mb']:>14,.0f} "
                   f"{link_s(r['gather_flat_mb']):>5.2f} {r['t_gather']:>10.2f} {r['send_mb']:>12,.0f} "
-                  f"{r['commit_mb']:>16,.0f} {link_s(r['commit_mb']):>5.2f}")
+                  f"{link_s(r['send_mb']):>5.2f} {r['t_send']:>8.2f} {r['commit_mb']:>16,.0f} {link_s(r['commit_mb']):>5.2f}")
         print("a load's two all-gathers before the read-once assignment (every rank's request, then its led "
               f"reads), MB each rank receives as pickled (s at {LINK_GBS:g} GB/s), and its unpickling:")
         print(f"{'ranks':>6} {'request MB':>10} {'s':>5} {'unpickle s':>10} {'reads MB':>8} {'s':>5} "

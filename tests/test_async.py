@@ -453,7 +453,7 @@ def test_ring_reuses_memory_oldest_range_first(monkeypatch):
 
 
 def split_save_worker(rank, world, path):
-    import ckpt_plugins._src.plan as plan
+    import ckpt_plugins._src.save_plan as plan
     plan.SPLIT_BYTES = 4096  # make this small model's replicated boxes big enough to split
     info = cp.save(path, {"model": make(width=128, depth=4)})
     assert info.balance < 1.05

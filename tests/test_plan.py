@@ -3,17 +3,32 @@ import numpy as np
 import pytest
 
 from ckpt_plugins._src.errors import LoadMismatchError
-from ckpt_plugins._src.plan import TensorSpec, plan_load, plan_save, spec_runs
-from ckpt_plugins._src.plan_cache import Structure, _request, _spec_list, _wanted
+from ckpt_plugins._src.plan import TensorSpec, plan_load
+from ckpt_plugins._src.plan_cache import Structure, _request
+from ckpt_plugins._src.runs import run_groups
+from ckpt_plugins._src.save_plan import plan_save, spec_runs
+from ckpt_plugins._src.save_request import PlanRequests, first_held, joined_runs, runs_asked, runs_message
+from ckpt_plugins._src.spec_table import SpecTable
 
 
 def spec(key, shape, offsets=None, lengths=None, dtype="float32"):
     return TensorSpec(key, shape, dtype, offsets or (0,) * len(shape), lengths or shape)
 
 
+def planned(ranks, files_per_rank=1, digests=None, **kwargs):
+    """`plan_save` of every rank's spec list; with their runs (`digests`), from what the
+    coordinator gathers: each distinct run's specs from its first holder alone."""
+    if digests is None:
+        return plan_save(SpecTable.of(ranks), run_groups(None, [len(r) for r in ranks]), files_per_rank, **kwargs)
+    groups = joined_runs([runs_message(r) for r in digests])
+    sent = [_request(Structure(specs, {}, []), r, runs_asked(a)).packed()
+            for specs, r, a in zip(ranks, digests, first_held(groups))]
+    return plan_save(PlanRequests.of(sent).specs, groups, files_per_rank, **kwargs)
+
+
 def test_replicated_boxes_are_written_once_and_balanced():
     model = [spec(f"layer{i}", (256, 256 + (i % 3))) for i in range(24)]
-    plan = plan_save([model] * 4, files_per_rank=2)
+    plan = planned([model] * 4, files_per_rank=2)
     print(f"byte balance max/mean over 4 ranks, 24 tensors: {plan.balance:.3f}")
     assert plan.balance < 1.25
     writes = [w for ws in plan.writes for w in ws]
@@ -31,15 +46,11 @@ def test_runs_replicas_hold_alike_are_planned_once_with_the_same_plan():
     ranks[3] = ranks[3][:-1] + [spec("optim/w1/exp_avg", (64, 49), (48, 0), (16, 49)), spec("optim/b", (3,))]
     runs = [spec_runs(r) for r in ranks]
     assert [n for _, n in runs[0]] == [5, 2] and len({r[0] for r in runs}) == 1 and len({r[1] for r in runs}) == 4
-    by_runs, by_specs = plan_save(ranks, 2, digests=runs), plan_save(ranks, 2)
+    # what the coordinator gathers: each distinct run's specs from its first holder alone
+    assert [runs_asked(a) for a in first_held(joined_runs([runs_message(r) for r in runs]))] == [[0, 1], [1], [1], [1]]
+    by_runs, by_specs = planned(ranks, 2, digests=runs), planned(ranks, 2)
     assert by_runs.metadata == by_specs.metadata and by_runs.writes == by_specs.writes
     assert sum(len(w) for w in by_runs.writes) == 5 + 4 * 2 + 1  # every weight once
-    # what the coordinator gathers: each distinct run's specs from its first holder alone
-    wanted = _wanted(runs)
-    assert [w.runs for w in wanted] == [[0, 1], [1], [1], [1]]
-    sent = [_request(Structure(specs, {}, []), r, w) for specs, r, w in zip(ranks, runs, wanted)]
-    gathered = plan_save([_spec_list(g) for g in sent], 2, digests=runs)
-    assert gathered.metadata == by_specs.metadata and gathered.writes == by_specs.writes
 
 
 def test_run_groups_number_runs_as_first_met_and_check_they_cover_each_rank():
@@ -125,7 +136,7 @@ def test_requests_travel_as_bytes_and_join_as_they_were():
 
 def test_offsets_are_fixed_and_disjoint_within_each_file():
     shards = [[spec("w", (10, 4), (5 * r, 0), (5, 4)), spec("b", (3,))] for r in range(2)]
-    plan = plan_save(shards, files_per_rank=2)
+    plan = planned(shards, files_per_rank=2)
     spans = {}
     for entries in plan.stored:
         for e in entries:
@@ -139,13 +150,59 @@ def test_offsets_are_fixed_and_disjoint_within_each_file():
 
 def test_ranks_disagreeing_on_a_tensor_is_an_error():
     with pytest.raises(ValueError, match=r"w: ranks disagree .* rank 1 holds shape \[4, 4\]"):
-        plan_save([[spec("w", (4, 3))], [spec("w", (4, 4))]])
-    with pytest.raises(ValueError, match="lies outside shape"):
-        plan_save([[spec("w", (4, 3), (3, 0), (2, 3))]])
+        planned([[spec("w", (4, 3))], [spec("w", (4, 4))]])
+    with pytest.raises(ValueError, match=r"w: ranks disagree .* bfloat16, rank 2 holds shape \[4, 3\] float32"):
+        planned([[spec("w", (4, 3), dtype="bfloat16")]] * 2 + [[spec("w", (4, 3))]])
+    with pytest.raises(ValueError, match=r"w: rank 0's box \(\(3, 0\), \(2, 3\)\) lies outside shape \[4, 3\]"):
+        planned([[spec("w", (4, 3), (3, 0), (2, 3))]])
+    with pytest.raises(ValueError, match=r"w: rank 1's box of -1 dimensions lies outside shape \[4, 3\]"):
+        planned([[spec("v", (2,))], [spec("v", (2,)), spec("w", (4, 3), (0, 0), (4,))]])
+
+
+def test_specs_travel_as_columns_and_plan_as_they_were(monkeypatch):
+    """The specs a rank sends the coordinator, as bytes, joined: back as they were; a message
+    that does not hold them is named; keys whose digests clash are refused, and boxes whose
+    64-bit hashes clash are still told apart."""
+    from ckpt_plugins._src import save_plan, spec_table
+    from ckpt_plugins._src.packing import Joined
+    from ckpt_plugins._src.save_request import PlanRequest
+    ranks = [[spec("model/é", (6, 5, 4), (2 * r, 0, 0), (2, 5, 4), dtype="bfloat16"), spec("b", (3,)),
+              spec("s", ())] for r in range(3)] + [[]]
+    table = SpecTable.of(ranks)
+    assert table.count.tolist() == [3, 3, 3, 0] and table.shape.shape == (9, 3)
+    assert [table.key(i) for i in range(3)] == ["model/é", "b", "s"] and table.box(3) == ((2, 0, 0), (2, 5, 4))
+    assert table.lengths[2].tolist() == [1, 1, 1] and table.ndim.tolist()[:3] == [3, 1, 0]
+    sent = [PlanRequest(spec_table.packed_specs(r), {"a": "b"} if i == 1 else {}, ["x"] * i, i != 3).packed()
+            for i, r in enumerate(ranks)]
+    joined = PlanRequests.of(sent)
+    assert joined.aliases == {"a": "b"} and joined.objects == [[], ["x"], ["x", "x"], ["x", "x", "x"]]
+    assert not joined.casts and all(np.array_equal(getattr(joined.specs, c), getattr(table, c))
+                                    for c in ("digest", "dtype", "ndim", "shape", "offsets", "lengths", "count"))
+    with pytest.raises(ValueError, match="rank 1 sent 24 bytes, short of its tensor specs' header"):
+        SpecTable.unpacked(Joined([sent[0], sent[1][:56]], "x"), np.array([32, len(sent[0]) + 32]), np.array([
+            len(sent[0]) - 32, 24]))
+    with pytest.raises(ValueError, match=r"rank 2 sent \d+ bytes that do not hold its plan request"):
+        PlanRequests.of(sent[:2] + [sent[2][:-8]])
+    plan = planned(ranks, 2)
+    monkeypatch.setattr(save_plan, "_row_hash", lambda columns: np.zeros(len(columns), dtype=np.uint64))
+    assert planned(ranks, 2).metadata == plan.metadata  # every box's hash alike: told apart on their columns
+    monkeypatch.setattr(spec_table, "key_digest", lambda key: bytes(16))
+    with pytest.raises(ValueError, match="tensor keys b and model/é share a digest"):
+        planned(ranks)
+
+
+def test_items_are_dealt_biggest_first_over_a_ranks_files_and_aligned():
+    from ckpt_plugins._src.save_plan import PAGE, PAGE_ITEM_BYTES, placement
+    rank = np.array([1, 0, 0, 0, 0, 1, 0])
+    nbytes = np.array([10, 5, PAGE_ITEM_BYTES + 1, 100, 70, 3, PAGE_ITEM_BYTES])
+    order, file, offset = placement(rank, nbytes, 2)
+    # rank 0 by size: 2, 6 (page aligned), 3, 4, 1: dealt to files 0, 1, 1, 0, 0
+    assert order.tolist() == [2, 4, 1, 6, 3, 0, 5] and file.tolist() == [0, 0, 0, 1, 1, 0, 1]
+    assert offset.tolist() == [0, PAGE_ITEM_BYTES + PAGE, PAGE_ITEM_BYTES + PAGE + 128, 0, PAGE_ITEM_BYTES, 0, 0]
 
 
 def test_load_plan_reads_only_the_chunks_it_needs():
-    stored = plan_save([[spec("w", (4096, 1024))]]).metadata  # 16 MiB in one box
+    stored = planned([[spec("w", (4096, 1024))]]).metadata  # 16 MiB in one box
     plan = plan_load(stored, [spec("w", (4096, 1024), (1024, 0), (1024, 1024))])  # rows 1024..2047
     (read,) = plan.reads
     assert (read.start, read.end) == (4 << 20, 8 << 20)
@@ -153,14 +210,14 @@ def test_load_plan_reads_only_the_chunks_it_needs():
 
 
 def test_load_plan_merges_reads_of_one_stored_box():
-    stored = plan_save([[spec("qkv", (12, 4))]]).metadata
+    stored = planned([[spec("qkv", (12, 4))]]).metadata
     wanted = [spec("qkv", (12, 4), (0, 0), (4, 4)), spec("qkv", (12, 4), (4, 0), (8, 4))]
     plan = plan_load(stored, wanted)
     assert len(plan.reads) == 1 and len(plan.reads[0].copies) == 2
 
 
 def test_load_plan_coverage_and_missing():
-    stored = plan_save([[spec("w", (8, 2), (0, 0), (4, 2))], [spec("w", (8, 2), (6, 0), (2, 2))]]).metadata
+    stored = planned([[spec("w", (8, 2), (0, 0), (4, 2))], [spec("w", (8, 2), (6, 0), (2, 2))]]).metadata
     with pytest.raises(LoadMismatchError, match=r"w: no stored box covers region offsets \[4, 0\] lengths \[2, 2\]"):
         plan_load(stored, [spec("w", (8, 2))])
     assert plan_load(stored, [spec("nope", (1,))]).missing == ["nope"]
@@ -168,12 +225,12 @@ def test_load_plan_coverage_and_missing():
 
 def test_big_replicated_boxes_are_split_across_their_holders():
     big = spec("emb", (4096, 4096))  # 64 MiB held by 4 ranks: 4 row ranges, one per rank
-    plan = plan_save([[big]] * 4)
+    plan = planned([[big]] * 4)
     boxes = plan.metadata.tensors["emb"].boxes
     assert [(b.offsets, b.lengths) for b in boxes] == [((i * 1024, 0), (1024, 4096)) for i in range(4)]
     assert plan.rank_bytes == [16 << 20] * 4 and plan.balance == 1.0
     assert sorted(w.box for ws in plan.writes for w in ws) == [(b.offsets, b.lengths) for b in boxes]
-    assert len(plan_save([[big]]).metadata.tensors["emb"].boxes) == 1  # one holder: nothing to split
+    assert len(planned([[big]]).metadata.tensors["emb"].boxes) == 1  # one holder: nothing to split
 
 
 def assign(requests, runs=None, *args, **kwargs):
@@ -296,7 +353,7 @@ def test_read_once_assignment_of_random_requests_keeps_its_rules():
 def test_read_regions_are_the_payload_layout_and_contiguous_ones_need_no_packing():
     from ckpt_plugins._src.engine.read import needs_packing
     from ckpt_plugins._src.read_once import read_regions
-    stored = plan_save([[spec("w", (4, 6), (0, 0), (4, 6))]]).metadata
+    stored = planned([[spec("w", (4, 6), (0, 0), (4, 6))]]).metadata
     cols, (read,) = spec("w", (4, 6), (0, 2), (4, 2)), plan_load(stored, [spec("w", (4, 6), (1, 0), (2, 6))]).reads
     assert read_regions(read) == (((1, 0), (2, 6)),)
     (twice,) = plan_load(stored, [cols, cols]).reads  # two targets of one region: sent once
@@ -309,7 +366,7 @@ def test_read_regions_are_the_payload_layout_and_contiguous_ones_need_no_packing
 
 
 def test_load_source_of_the_wanted_dtype_is_preferred_and_casts_need_consent():
-    stored = plan_save([[spec("model/w", (4, 2), dtype="bfloat16"), spec("optim/w/master", (4, 2))]]).metadata
+    stored = planned([[spec("model/w", (4, 2), dtype="bfloat16"), spec("optim/w/master", (4, 2))]]).metadata
     weights = spec("model/w", (4, 2), dtype="float16")
     with pytest.raises(LoadMismatchError, match=r"model/w: the model wants float16, .*model/w is bfloat16"):
         plan_load(stored, [weights])
@@ -333,7 +390,7 @@ def test_weights_vouched_for_as_their_masters_cast_are_stored_as_the_masters():
     rows = [[spec("model/w", (4, 2), dtype="bfloat16"), spec("optim/w/master", (4, 2), (2 * r, 0), (2, 2)),
              spec("model/f", (3,), dtype="bfloat16"), spec("model/h", (2,), dtype="float16"),
              spec("optim/h/master", (2,), (0,), (1,))] for r in range(2)]
-    plain, cast = plan_save(rows), plan_save(rows, casts=True)
+    plain, cast = planned(rows), planned(rows, casts=True)
     assert plain.metadata.casts == {} and len(plain.metadata.tensors["model/w"].boxes) == 1
     # f has no master, h's master covers half of it: both stay stored
     assert cast.metadata.casts == {"model/w": "optim/w/master"}

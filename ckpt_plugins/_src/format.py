@@ -55,6 +55,7 @@ _DTYPES = {
     if hasattr(torch, name)
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+STORABLE_DTYPES = tuple(_DTYPES)  # the dtype names a checkpoint may hold (messages between ranks number them)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

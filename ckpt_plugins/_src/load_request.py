@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import numpy as np
 
 from .packing import Joined, aligned, padded, spans
 from .read_once import RankReads, led_reads
-from .runs import DIGEST_BYTES, Run, RunGroups, runs_of
+from .runs import DIGEST_BYTES, Run, RunGroups, packed_runs, runs_of
 
 _FIELDS = 7  # the header: runs, key runs, wanted keys, bytes of missing keys, host, path, reads (-1: none)
 
@@ -42,8 +42,8 @@ class LoadRequest:
         path, reads = self.path.encode(), None if self.reads is None else self.reads.packed()
         header = [len(self.runs), len(self.key_runs), len(self.wanted), len(missing), -1 if host is None else len(host),
                   len(path), -1 if reads is None else len(reads)]
-        return aligned(np.array(header, dtype=np.int64).tobytes(), *_packed_runs(self.runs),
-                       *_packed_runs(self.key_runs), b"" if reads is None else self.wanted.astype(np.int32).tobytes(),
+        return aligned(np.array(header, dtype=np.int64).tobytes(), *packed_runs(self.runs),
+                       *packed_runs(self.key_runs), b"" if reads is None else self.wanted.astype(np.int32).tobytes(),
                        missing, host or b"", path) + (reads or b"")
 
 
@@ -51,10 +51,6 @@ def key_runs(keys: Sequence[str], wanted: np.ndarray) -> List[Run]:
     """`LoadRequest.key_runs` of the stored keys `wanted` (indices into `keys`)."""
     wanted = wanted.tolist()
     return runs_of([keys[i] for i in wanted], wanted)
-
-
-def _packed_runs(runs: Sequence[Run]) -> Tuple[bytes, bytes]:
-    return np.array([r.count for r in runs], dtype=np.int64).tobytes(), b"".join(r.digest for r in runs)
 
 
 @dataclass
@@ -89,14 +85,10 @@ class LoadRequests:
             raise ValueError(f"rank {wrong[0]} sent {joined.size[wrong[0]]} bytes that do not hold its load request")
         names = joined.strings(hosts, np.maximum(host, 0)).tolist()
 
-        def grouped(counts, digests, n, lengths=None):
-            return RunGroups.of(joined.longs[spans(digests // 8, DIGEST_BYTES // 8 * n)].view(f"S{DIGEST_BYTES}"),
-                                joined.longs[spans(counts // 8, n)], n, lengths)
-
-        groups = grouped(counts, digests, runs)
+        groups = RunGroups.unpacked(joined, counts, digests, runs)
         inline = not (reads < 0).any()
         return cls(
-            runs=groups, key_runs=grouped(counts_k, digests_k, runs_k, wanted),
+            runs=groups, key_runs=RunGroups.unpacked(joined, counts_k, digests_k, runs_k, wanted),
             used=joined.words[spans(indices // 4, wanted)] if inline else None,
             missing=sorted({k for r in np.flatnonzero(missing).tolist()
                             for k in json.loads(joined.buffer[missed[r]:missed[r] + missing[r]])}),

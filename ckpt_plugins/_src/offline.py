@@ -21,7 +21,10 @@ from .format import DATA_DIR, Metadata, ObjectMeta, chunk_checksums, dtype_from_
 from .fragment import Fragment, sub_view
 from .objects import encode_object
 from .foreign.view import transformed
-from .plan import TensorSpec, place, plan_load, plan_save, specs_of
+from .plan import TensorSpec, plan_load, specs_of
+from .runs import run_groups
+from .save_plan import place, plan_save
+from .spec_table import SpecTable
 from .storage import AlignedStream, Storage, durable, storage_for
 
 
@@ -52,7 +55,7 @@ def write_checkpoint(path, fragments: Sequence[LazyFragment], objects: Optional[
     storage = storage_for(path)
     specs = [TensorSpec(f.key, tuple(int(s) for s in f.global_shape), dtype_name(f.dtype),
                         tuple(int(o) for o in f.offsets), tuple(int(n) for n in f.lengths)) for f in fragments]
-    plan = plan_save([specs], files_per_rank=1, aliases=aliases)
+    plan = plan_save(SpecTable.of([specs]), run_groups(None, [len(specs)]), files_per_rank=1, aliases=aliases)
     encoded = [(key, *encode_object(value)) for key, value in (objects or {}).items()]
     obj_file = f"{DATA_DIR}/r0-objects.bin"
     placed, obj_sizes = place([len(data) for _, _, data in encoded], [obj_file])

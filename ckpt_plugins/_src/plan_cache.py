@@ -1,22 +1,26 @@
 """The save plan, cached across saves: while every rank's fragment structure is unchanged, a save
 costs one all-reduce of two flags (stale? failed?) instead of gathering specs and scattering a
 new plan. A new plan gathers each distinct run of specs once: the ranks send their runs'
-digests, and the first holder of each run its specs (data-parallel replicas send their weights'
-specs once between them)."""
+digests, and the first holder of each run its specs, as columns (`spec_table`: data-parallel
+replicas send their weights' specs once between them); each rank gets its writes back as columns
+too (`SavePlan.packed`)."""
 from __future__ import annotations
 
 import hashlib
 import itertools
 import pickle
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 from .coordinator import Coordinator
 from .errors import SaveError
 from .failure import RankFailure, failure_error
 from .format import CHUNK_BYTES
-from .plan import SavePlan, TensorSpec, WriteItem, assign_objects, plan_save, spec_runs
+from .plan import TensorSpec
 from .runs import Run
+from .save_plan import SavePlan, WriteItem, assign_objects, plan_save, spec_runs, writes_of
+from .save_request import PlanRequest, PlanRequests, first_held, joined_runs, runs_asked, runs_message
+from .spec_table import packed_specs
 
 
 @dataclass
@@ -50,28 +54,10 @@ class Agreed:
 
 
 @dataclass
-class RunsWanted:
-    """The coordinator's answer to a rank's run digests: the runs whose specs it sends (those it
-    is the first holder of)."""
-    runs: List[int]
-
-
-@dataclass
-class PlanRequest:
-    """What one rank tells the coordinator when some rank's cached plan is stale: its runs, the
-    specs of the runs asked for, its aliases and objects, and its `Structure.casts`."""
-    runs: List[Run]  # spec_runs(specs): runs DP replicas hold alike are planned once
-    specs: Dict[int, List[TensorSpec]]  # run index -> its specs
-    aliases: Dict[str, str]
-    objects: List[str]
-    casts: bool = False
-
-
-@dataclass
 class PlanReply:
     """The coordinator's answer to one rank's request."""
     failure: Optional[RankFailure]
-    writes: List[WriteItem]
+    writes: bytes  # `SavePlan.packed`
     objects: List[str] = field(default_factory=list)
     balance: float = 1.0
     chunk: int = CHUNK_BYTES
@@ -108,47 +94,38 @@ class PlanCache:
             coord.agree(failure, what=what, then=then, default=SaveError)
         if not any_stale:
             return Agreed(self.cached, True, generation)
-        digests = coord.gather(runs)
-        wanted: RunsWanted = coord.scatter(_wanted(digests) if coord.is_coordinator else None)
-        gathered: List[PlanRequest] = coord.gather(_request(structure, runs, wanted))
+        digests = coord.gather(runs_message(runs))
+        groups, answers, error = None, None, None
+        if coord.is_coordinator:
+            try:
+                groups = joined_runs(digests)
+                answers = first_held(groups)
+            except Exception as exc:  # every rank asked for nothing, then told
+                answers, error = [b""] * coord.world_size, exc
+        gathered = coord.gather(_request(structure, runs, runs_asked(coord.scatter(answers))).packed())
         plan, replies = None, None
         if coord.is_coordinator:
             try:
-                plan = plan_save([_spec_list(g) for g in gathered], files_per_rank=self.files_per_rank,
-                                 aliases={k: v for g in gathered for k, v in g.aliases.items()},
-                                 digests=[g.runs for g in gathered], casts=all(g.casts for g in gathered))
-                objects = assign_objects([g.objects for g in gathered])
-                replies = [PlanReply(None, w, o, plan.balance, plan.metadata.chunk_bytes)
-                           for w, o in zip(plan.writes, objects)]
+                if error is not None:
+                    raise error
+                requests = PlanRequests.of(gathered)
+                plan = plan_save(requests.specs, groups, files_per_rank=self.files_per_rank,
+                                 aliases=requests.aliases, casts=requests.casts)
+                objects = assign_objects(requests.objects)
+                replies = [PlanReply(None, plan.packed(rank), o, plan.balance, plan.chunk_bytes)
+                           for rank, o in enumerate(objects)]
             except Exception as exc:
-                replies = [PlanReply(RankFailure.of(coord.rank, exc), [])] * coord.world_size
+                replies = [PlanReply(RankFailure.of(coord.rank, exc), b"")] * coord.world_size
         reply: PlanReply = coord.scatter(replies)
         if reply.failure is not None:
             raise failure_error([reply.failure], f"planning {what}", then, SaveError)
-        self.cached = CachedPlan(key, reply.writes, reply.objects, plan, reply.balance, reply.chunk)
+        self.cached = CachedPlan(key, writes_of(reply.writes, coord.rank), reply.objects, plan, reply.balance,
+                                 reply.chunk)
         return Agreed(self.cached, False, generation)
 
 
-def _wanted(runs: Sequence[List[Run]]) -> List[RunsWanted]:
-    """Which runs each rank sends the specs of: every distinct run, by its first holder (the rank
-    `plan_save` reads it from)."""
-    first: Dict[bytes, int] = {}
-    for rank, mine in enumerate(runs):
-        for run in mine:
-            first.setdefault(run.digest, rank)
-    return [RunsWanted([i for i, run in enumerate(mine) if first[run.digest] == rank]) for rank, mine in enumerate(runs)]
-
-
-def _request(structure: Structure, runs: List[Run], wanted: RunsWanted) -> PlanRequest:
-    """A rank's request: the specs of the runs the coordinator asked it for."""
+def _request(structure: Structure, runs: List[Run], asked: List[int]) -> PlanRequest:
+    """A rank's request: the specs of the runs the coordinator asked it for (`first_held`)."""
     starts = [0, *itertools.accumulate(r.count for r in runs)]
-    return PlanRequest(runs, {i: structure.specs[starts[i]:starts[i + 1]] for i in wanted.runs}, structure.aliases,
-                       structure.objects, structure.casts)
-
-
-def _spec_list(request: PlanRequest) -> List[Optional[TensorSpec]]:
-    """A rank's spec list as `plan_save` reads it: the specs it sent, None in the runs it did not."""
-    out: List[Optional[TensorSpec]] = []
-    for i, run in enumerate(request.runs):
-        out.extend(request.specs.get(i, itertools.repeat(None, run.count)))
-    return out
+    return PlanRequest(packed_specs([s for i in asked for s in structure.specs[starts[i]:starts[i + 1]]]),
+                       structure.aliases, structure.objects, structure.casts)

@@ -35,6 +35,12 @@ def runs_of(keys: Sequence[str], items: Sequence) -> List[Run]:
     return out
 
 
+def packed_runs(runs: Sequence[Run]) -> Tuple[bytes, bytes]:
+    """`runs` as two message sections (`packing`): their counts (int64), and their digests
+    (`RunGroups.unpacked` joins every rank's)."""
+    return np.array([r.count for r in runs], dtype=np.int64).tobytes(), b"".join(r.digest for r in runs)
+
+
 @dataclass
 class RunGroups:
     """Every rank's runs, grouped by digest. Span k is rank `rank[k]`'s items [start[k],
@@ -73,6 +79,14 @@ class RunGroups:
         first holder's (what `led` gives of each rank, one after the other)."""
         held = self.held()
         return spans((np.cumsum(held) - held)[self.rank[self.first]] + self.start[self.first], self.count[self.first])
+
+    @classmethod
+    def unpacked(cls, joined, counts: np.ndarray, digests: np.ndarray, n: np.ndarray,
+                 lengths: Optional[Sequence[int]] = None) -> "RunGroups":
+        """Every rank's `packed_runs` in `joined` (`packing.Joined`): rank k's `n[k]` runs, their
+        counts from byte `counts[k]` and their digests from byte `digests[k]`."""
+        return cls.of(joined.longs[spans(digests // 8, DIGEST_BYTES // 8 * n)].view(f"S{DIGEST_BYTES}"),
+                      joined.longs[spans(counts // 8, n)], n, lengths)
 
     @classmethod
     def of(cls, digests: np.ndarray, count: np.ndarray, per_rank: np.ndarray,

@@ -31,7 +31,8 @@ from .format import DATA_DIR, DeltaRef, Metadata, ObjectMeta, StoredItem
 from .fragment import Fragment, sub_view
 from .objects import Encoded, encode_object
 from .options import SaveHooks, SaveOptions
-from .plan import Placement, place, specs_of
+from .plan import specs_of
+from .save_plan import Placement, place
 from .plan_cache import CachedPlan, PlanCache, Structure
 from .results import SaveHandle
 from .staging import StagingPool, StagingSlot
