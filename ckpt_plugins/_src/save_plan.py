@@ -143,9 +143,10 @@ class SavePlan:
     aliases: Dict[str, str] = field(default_factory=dict)
     casts: Dict[str, str] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def balance(self) -> float:
-        """max / mean bytes written per rank (1.0 is perfect)."""
+        """max / mean bytes written per rank (1.0 is perfect). Cached, as `chunk_bytes`: each
+        rank's reply carries both."""
         mean = sum(self.rank_bytes) / len(self.rank_bytes)
         return max(self.rank_bytes) / mean if mean else 1.0
 
@@ -158,7 +159,7 @@ class SavePlan:
         return {f"{DATA_DIR}/r{r}-{f}.bin": e for r, f, e in zip(t.rank[last].tolist(), t.file[last].tolist(),
                                                                  (t.offset[last] + t.nbytes[last]).tolist())}
 
-    @property
+    @cached_property
     def chunk_bytes(self) -> int:
         """The checkpoint's checksum chunk (`format.chunk_bytes_for`)."""
         return chunk_bytes_for(sum(self.rank_bytes))
