@@ -198,25 +198,27 @@ class SavePlan:
         return self._built[1]
 
     @cached_property
+    @gc_paused  # millions of objects, which live on: collections while they are made would scan them all
     def _built(self) -> Tuple[List[List[StoredBox]], Metadata]:
         t, names = self.table, {}
         tensors = {k: TensorMeta(self.shapes[i], self.dtypes[i]) for i, k in enumerate(self.keys)}
         metas = [tensors[k] for k in self.keys]
+        ndims = [len(s) for s in self.shapes]
         stored: List[List[StoredBox]] = [[] for _ in self.rank_bytes]
         entries = []
+        keys = t.key.tolist()
         for rank, key, file, offset, nbytes, offsets, lengths in zip(
-                t.rank.tolist(), t.key.tolist(), t.file.tolist(), t.offset.tolist(), t.nbytes.tolist(),
-                t.offsets.tolist(), t.lengths.tolist()):
-            name = names.get((rank, file))
+                t.rank.tolist(), keys, (t.rank * self.files_per_rank + t.file).tolist(), t.offset.tolist(),
+                t.nbytes.tolist(), t.offsets.tolist(), t.lengths.tolist()):
+            name = names.get(file)
             if name is None:
-                name = names[rank, file] = f"{DATA_DIR}/r{rank}-{file}.bin"
-            n = len(self.shapes[key])
-            entry = StoredBox(file=name, offset=offset, nbytes=nbytes, crc32c=[], offsets=tuple(offsets[:n]),
-                              lengths=tuple(lengths[:n]))
+                name = names[file] = f"{DATA_DIR}/r{rank}-{file % self.files_per_rank}.bin"
+            n = ndims[key]
+            entry = StoredBox(name, offset, nbytes, [], 0, [], False, tuple(offsets[:n]), tuple(lengths[:n]))
             stored[rank].append(entry)
             entries.append(entry)
         for i in np.lexsort([t.offsets[:, d] for d in reversed(range(t.offsets.shape[1]))] + [t.key]).tolist():
-            metas[t.key[i]].boxes.append(entries[i])
+            metas[keys[i]].boxes.append(entries[i])
         metadata = Metadata(tensors=dict(sorted(tensors.items())), objects={}, files=dict(sorted(self.files.items())),
                             aliases=dict(self.aliases), world_size=len(self.rank_bytes),
                             chunk_bytes=self.chunk_bytes, casts=dict(sorted(self.casts.items())))
