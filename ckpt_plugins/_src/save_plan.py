@@ -117,15 +117,8 @@ class Writes:
 
     @classmethod
     def joined(cls, parts: Sequence["Writes"]) -> "Writes":
-        width = max(p.offsets.shape[1] for p in parts)
-        return cls(*(np.concatenate([_widened(getattr(p, f), width, int(f == "lengths")) for p in parts])
-                     for f in cls.__dataclass_fields__))
-
-
-def _widened(column: np.ndarray, width: int, pad: int) -> np.ndarray:
-    if column.ndim == 1 or column.shape[1] == width:
-        return column
-    return np.hstack([column, np.full((len(column), width - column.shape[1]), pad, dtype=np.int64)])
+        """`parts` one after the other (their boxes padded alike)."""
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__))
 
 
 @dataclass
@@ -285,7 +278,7 @@ class _Rows:
 
     @classmethod
     def of(cls, table: SpecTable, runs: RunGroups) -> "_Rows":
-        lead = np.flatnonzero(runs.first[runs.group] == np.arange(len(runs.group)))
+        lead = runs.first  # each group's first span, in span order: rank by rank, as the table
         count = runs.count[lead]
         wanted = np.bincount(runs.rank[lead], weights=count, minlength=runs.world).astype(np.int64)
         if len(table.count) != runs.world:

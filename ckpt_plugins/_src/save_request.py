@@ -37,7 +37,7 @@ def joined_runs(blobs: Sequence[bytes]) -> RunGroups:
 def first_held(groups: RunGroups) -> List[bytes]:
     """Each rank's answer: which of its runs it sends the specs of (int32 indices into its runs),
     those it is the first holder of (the specs `plan_save` reads)."""
-    lead = np.flatnonzero(groups.first[groups.group] == np.arange(len(groups.group)))
+    lead = groups.first  # each group's first span, in span order: rank by rank
     index = (lead - np.searchsorted(groups.rank, groups.rank[lead])).astype(np.int32)
     cuts = np.searchsorted(groups.rank[lead], np.arange(groups.world + 1)).tolist()
     return [index[a:b].tobytes() for a, b in zip(cuts[:-1], cuts[1:])]
