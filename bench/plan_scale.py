@@ -194,13 +194,15 @@ def version_1(metadata) -> bytes:
     return json.dumps({"format": "ckpt_plugins", "version": 1, **body}, separators=(",", ":")).encode()
 
 
-def plan_requests(gathered, rank_runs) -> Tuple[list, list]:
-    """What the coordinator gathers for a new save plan, pickled as the gathers pickle it: the
-    ranks' run digests, then each distinct run's specs from its first holder (`plan_cache`)."""
+def plan_requests(gathered, rank_runs) -> Tuple[list, list, list]:
+    """What the coordinator gathers and answers for a new save plan, pickled as the collectives
+    pickle it: the ranks' run digests, its answers (`first_held`), then each distinct run's specs
+    from its first holder (`plan_cache`)."""
     digests = [pickle.dumps(runs_message(runs)) for runs in rank_runs]
     asked = first_held(joined_runs([pickle.loads(b) for b in digests]))
-    return digests, [pickle.dumps(_request(Structure(specs, {}, []), runs, runs_asked(a)).packed())
-                     for specs, runs, a in zip(gathered, rank_runs, asked)]
+    return digests, [pickle.dumps(a) for a in asked], [
+        pickle.dumps(_request(Structure(specs, {}, []), runs, runs_asked(a)).packed())
+        for specs, runs, a in zip(gathered, rank_runs, asked)]
 
 
 def joined_requests(digests, requests) -> Tuple[PlanRequests, RunGroups]:
@@ -211,16 +213,16 @@ def joined_requests(digests, requests) -> Tuple[PlanRequests, RunGroups]:
     return PlanRequests.of([pickle.loads(b) for b in requests]), groups
 
 
-def collectives(gathered, rank_runs, plan, digests, requests) -> dict:
-    """What the coordinator receives and sends, pickled as the collectives pickle them: the save
-    plan's run digests and `plan_requests`, beside the gather of every rank's whole spec list it
-    replaces; the plan's replies, with the time to make them; the commit's gather of each rank's
-    checksums and file sizes."""
+def collectives(gathered, rank_runs, plan, digests, answers, requests) -> dict:
+    """What the coordinator receives and sends, pickled as the collectives pickle them:
+    `plan_requests` received, beside the gather of every rank's whole spec list it replaces; its
+    answers and the plan's replies, with the time to make the replies; the commit's gather of
+    each rank's checksums and file sizes."""
     t0 = time.perf_counter()
     replies = [pickle.dumps(PlanReply(None, plan.packed(rank), [], plan.balance, plan.chunk_bytes))
                for rank in range(len(gathered))]
     t_send = time.perf_counter() - t0
-    flat, reply, commit = 0, sum(map(len, replies)), 0
+    flat, reply, commit = 0, sum(map(len, replies)) + sum(map(len, answers)), 0
     del replies
     for rank, (specs, runs) in enumerate(zip(gathered, rank_runs)):
         flat += len(pickle.dumps((Structure(specs, {}, []), runs)))
@@ -303,7 +305,7 @@ def run(layout, world: int) -> dict:
 
     stage("save plan")
     t0 = time.perf_counter()
-    joined, groups = joined_requests(*sent)
+    joined, groups = joined_requests(sent[0], sent[2])
     t_gather = time.perf_counter() - t0
     t0 = time.perf_counter()
     plan = save_plan(joined, groups)

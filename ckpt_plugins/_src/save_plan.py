@@ -241,11 +241,12 @@ def plan_save(table: SpecTable, runs: RunGroups, files_per_rank: int = 1,
     (`casts.masters_cast_exactly`), so the weights whose masters cover them are not written."""
     rows = _Rows.of(table, runs)
     keys = _Keys.of(table, rows)
-    live = np.flatnonzero(np.prod(table.lengths, axis=1) > 0)
+    count = np.prod(table.lengths, axis=1)  # elements
+    live = np.flatnonzero(count > 0)
     box, first = _distinct(np.column_stack([keys.number[live], table.offsets[live], table.lengths[live]]))
     first = live[first]  # each distinct box's first row
-    nbytes = np.prod(table.lengths[first], axis=1) * _ITEMSIZE[table.dtype[first]]
-    derived = _cast_weights(table, keys, keys.number[first], np.prod(table.lengths[first], axis=1)) if casts else {}
+    nbytes = count[first] * _ITEMSIZE[table.dtype[first]]
+    derived = _cast_weights(keys, keys.number[first], count[first]) if casts else {}
     kept = ~np.isin(keys.number[first], list(derived))
     holders = np.bincount(runs.group, minlength=len(runs.first))
     rows_of_box = np.bincount(box, minlength=len(first))
@@ -357,7 +358,7 @@ def _row_hash(columns: np.ndarray) -> np.ndarray:
     return mixed
 
 
-def _cast_weights(table: SpecTable, keys: _Keys, box_key: np.ndarray, volume: np.ndarray) -> Dict[int, int]:
+def _cast_weights(keys: _Keys, box_key: np.ndarray, volume: np.ndarray) -> Dict[int, int]:
     """The 16-bit weights (`model/<name>`) stored as their fp32 master (`master_key(name)`) of the
     same shape, whose distinct boxes (keys `box_key`, `volume` elements each) cover it exactly:
     weight key -> master key, as key numbers."""

@@ -17,14 +17,14 @@ _FIELDS = 4  # the header: specs, shape values, box values (offsets; as many len
 _DTYPE_CODES = {name: i for i, name in enumerate(STORABLE_DTYPES)}
 
 
-def key_digest(key: str) -> bytes:
-    """16 bytes naming a tensor key: the planner groups specs by it (the strings it reads only
-    once per key)."""
-    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+def key_digest(key: bytes) -> bytes:
+    """16 bytes naming a tensor key (utf-8): the planner groups specs by it (the strings it reads
+    only once per key)."""
+    return hashlib.blake2b(key, digest_size=16).digest()
 
 
 def packed_specs(specs: Sequence) -> bytes:
-    """One rank's `TensorSpec`s as `SpecTable.joined` reads them: each spec's key digest; its
+    """One rank's `TensorSpec`s as `SpecTable.unpacked` reads them: each spec's key digest; its
     shape's values, then its box's offsets and lengths, spec after spec; its dtype (index in
     `STORABLE_DTYPES`), number of dimensions, of box dimensions (-1: offsets and lengths differ
     in length) and key length, as 4-byte words; the keys, utf-8, one after the other."""
@@ -37,7 +37,7 @@ def packed_specs(specs: Sequence) -> bytes:
                       [len(k) for k in keys]], dtype=np.int32).reshape(4, len(specs))
     joined = b"".join(keys)
     header = np.array([len(specs), len(shape), len(offsets), len(joined)], dtype=np.int64)
-    return aligned(header.tobytes(), b"".join(key_digest(s.key) for s in specs),
+    return aligned(header.tobytes(), b"".join(map(key_digest, keys)),
                    np.array(shape + offsets + lengths, dtype=np.int64).tobytes(), small.tobytes(), joined)
 
 
