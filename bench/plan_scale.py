@@ -38,6 +38,7 @@ import numpy as np
 
 from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
 from ckpt_plugins._src.fragment import flat_views
+from ckpt_plugins._src.gcpause import gc_paused
 from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request
 from ckpt_plugins._src.load_request import LedRequests, LoadRequest, LoadRequests, key_runs
 from ckpt_plugins._src.loading import stored_keys
@@ -232,6 +233,7 @@ def collectives(gathered, rank_runs, plan, digests, answers, requests) -> dict:
                 send_mb=reply / 2**20, t_send=t_send, commit_mb=commit / 2**20)
 
 
+@gc_paused  # as a load is (`loading.load`): its many small objects would have collections scan this heap
 def load_exchange(requests, wanted, led) -> Tuple[RankReads, RunGroups, dict]:
     """What a load's ranks all-gather before the read-once assignment, as the agreement pickles
     it, and a rank's time to unpickle and join it: first every rank's `LoadRequest` (its request
@@ -274,6 +276,7 @@ def run(layout, world: int) -> dict:
     def save_plan(requests, groups):
         return plan_save(requests.specs, groups, files_per_rank=FILES_PER_RANK)
 
+    @gc_paused  # as a load is
     def local_plan(c, metadata):  # what one rank does for itself: its reads and their runs, the keys it uses
         reads = plan_load(metadata, templates[c]).reads
         requests = [read_request(r) for r in reads]

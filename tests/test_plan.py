@@ -161,9 +161,9 @@ def test_ranks_disagreeing_on_a_tensor_is_an_error():
 
 def test_specs_travel_as_columns_and_plan_as_they_were(monkeypatch):
     """The specs a rank sends the coordinator, as bytes, joined: back as they were; a message
-    that does not hold them is named; keys whose digests clash are refused, and boxes whose
-    64-bit hashes clash are still told apart."""
-    from ckpt_plugins._src import save_plan, spec_table
+    that does not hold them is named; keys whose digests clash are refused, and boxes and runs
+    whose 64-bit hashes clash are still told apart."""
+    from ckpt_plugins._src import runs, spec_table
     from ckpt_plugins._src.packing import Joined
     from ckpt_plugins._src.save_request import PlanRequest
     ranks = [[spec("model/é", (6, 5, 4), (2 * r, 0, 0), (2, 5, 4), dtype="bfloat16"), spec("b", (3,)),
@@ -184,8 +184,8 @@ def test_specs_travel_as_columns_and_plan_as_they_were(monkeypatch):
     with pytest.raises(ValueError, match=r"rank 2 sent \d+ bytes that do not hold its plan request"):
         PlanRequests.of(sent[:2] + [sent[2][:-8]])
     plan = planned(ranks, 2)
-    monkeypatch.setattr(save_plan, "_row_hash", lambda columns: np.zeros(len(columns), dtype=np.uint64))
-    assert planned(ranks, 2).metadata == plan.metadata  # every box's hash alike: told apart on their columns
+    monkeypatch.setattr(runs, "_row_hash", lambda columns: np.zeros(len(columns), dtype=np.uint64))
+    assert planned(ranks, 2).metadata == plan.metadata  # every box's and run's hash alike: told apart on their columns
     monkeypatch.setattr(spec_table, "key_digest", lambda key: bytes(16))
     with pytest.raises(ValueError, match="tensor keys b and model/é share a digest"):
         planned(ranks)

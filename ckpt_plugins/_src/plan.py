@@ -185,16 +185,20 @@ class LeastLoaded:
     def add(self, rank: int, nbytes: int) -> None:
         self.load[rank] += nbytes
 
-    def pick(self, ranks: Tuple[int, ...], name: Optional[int] = None) -> int:
-        """`name`: a number naming the set instead of its ranks (cheaper to look up)."""
+    def take(self, ranks: Tuple[int, ...], nbytes: int, name: Optional[int] = None) -> int:
+        """The least-loaded of `ranks`, given `nbytes` more. `name`: a number naming the set
+        instead of its ranks (cheaper to look up)."""
         heaps, key = (self._by_ranks, ranks) if name is None else (self._by_name, name)
-        heap = heaps.get(key)
+        heap, load = heaps.get(key), self.load
         if heap is None:
-            heap = heaps[key] = [(self.load[r], r) for r in ranks]
+            heap = heaps[key] = [(load[r], r) for r in ranks]
             heapq.heapify(heap)
-        while heap[0][0] != self.load[heap[0][1]]:
-            heapq.heapreplace(heap, (self.load[heap[0][1]], heap[0][1]))
-        return heap[0][1]
+        while heap[0][0] != load[heap[0][1]]:
+            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        rank = heap[0][1]
+        load[rank] += nbytes
+        heapq.heapreplace(heap, (load[rank], rank))  # its entry, fresh again: no refresh at the next take
+        return rank
 
 
 def specs_of(fragments) -> List[TensorSpec]:

@@ -290,7 +290,7 @@ def _by_item(rows: _Rows) -> Tuple[np.ndarray, np.ndarray]:
     width = int(rows.offset.max()).bit_length() if len(rows.offset) else 0
     if int(rows.file.max(initial=0)).bit_length() + width < 63:
         key = (rows.file << width) | rows.offset
-        order = np.argsort(key)
+        order = np.argsort(key, kind="stable")  # rows mostly come in order (each rank's by file): runs a merge sort finds
         key = key[order]
         first = key[1:] != key[:-1]
     else:
@@ -346,10 +346,9 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
         if can is not None:
             if not can:
                 raise LoadMismatchError(f"{files[f]} is needed but no rank of this job can read it")
-            reader = load.pick(tuple(r for r in ranks if r in can) or can)
+            reader = load.take(tuple(r for r in ranks if r in can) or can, end - start)
         else:
-            reader = load.pick(ranks, needed)
-        load.add(reader, end - start)
+            reader = load.take(ranks, end - start, needed)
         if rank is None or rank in among or rank == reader:
             at, wants = bounds[k - 1] if k else 0, []
             for g, i in zip(group[at:bounds[k]], user[at:bounds[k]]):  # a group's holders want alike

@@ -24,7 +24,7 @@ from .gcpause import gc_paused
 from .hostmem import DIRECT_MIN, PAGE
 from .packing import aligned
 from .plan import LeastLoaded, TensorSpec
-from .runs import Run, RunGroups, runs_of
+from .runs import Run, RunGroups, distinct_rows, runs_of
 from .spec_table import SpecTable
 
 ITEM_ALIGN = 64  # every item starts 64-byte aligned: typed views stay aligned
@@ -243,7 +243,7 @@ def plan_save(table: SpecTable, runs: RunGroups, files_per_rank: int = 1,
     keys = _Keys.of(table, rows)
     count = np.prod(table.lengths, axis=1)  # elements
     live = np.flatnonzero(count > 0)
-    box, first = _distinct(np.column_stack([keys.number[live], table.offsets[live], table.lengths[live]]))
+    box, first = distinct_rows(np.column_stack([keys.number[live], table.offsets[live], table.lengths[live]]))
     first = live[first]  # each distinct box's first row
     nbytes = count[first] * _ITEMSIZE[table.dtype[first]]
     derived = _cast_weights(keys, keys.number[first], count[first]) if casts else {}
@@ -333,31 +333,6 @@ def _shape(table: SpecTable, i: int) -> List[int]:
     return table.shape[i, :table.ndim[i]].tolist()
 
 
-def _distinct(columns: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Each row's number among the distinct rows of `columns` (as first met), and each distinct
-    row's first. On a 64-bit hash of each row, checked: rows that share a hash and differ are
-    sorted on all their columns instead."""
-    _, first, of = np.unique(_row_hash(columns), return_index=True, return_inverse=True)
-    of = of.reshape(-1)
-    if (columns != columns[first[of]]).any():
-        rows = np.ascontiguousarray(columns, dtype=np.int64)
-        _, first, of = np.unique(rows.view(f"V{rows.shape[1] * 8}").reshape(-1), return_index=True,
-                                 return_inverse=True)
-    by_first = np.argsort(first)  # numbered as first met: the rows' order, rank by rank, is kept
-    number = np.empty_like(by_first)
-    number[by_first] = np.arange(len(first))
-    return number[of.reshape(-1)], first[by_first]
-
-
-def _row_hash(columns: np.ndarray) -> np.ndarray:
-    mixed = np.zeros(len(columns), dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for column in columns.T.astype(np.uint64):
-            mixed = (mixed ^ column) * np.uint64(0x9E3779B97F4A7C15)
-            mixed ^= mixed >> np.uint64(29)
-    return mixed
-
-
 def _cast_weights(keys: _Keys, box_key: np.ndarray, volume: np.ndarray) -> Dict[int, int]:
     """The 16-bit weights (`model/<name>`) stored as their fp32 master (`master_key(name)`) of the
     same shape, whose distinct boxes (keys `box_key`, `volume` elements each) cover it exactly:
@@ -433,7 +408,7 @@ class _Piece(NamedTuple):
     nbytes: int
     holdings: List[_Holding]  # those of the box it is (a part of)
     ranks: Tuple[int, ...]
-    holders: int  # a number naming the set `ranks` (`LeastLoaded.pick`)
+    holders: int  # a number naming the set `ranks` (`LeastLoaded.take`)
 
 
 def _pieces(boxes: Dict[Tuple[int, Box], _Box], assigned: Dict[int, "_RankWrites"], load: LeastLoaded) -> List[_Piece]:
@@ -498,7 +473,6 @@ class _RankWrites:
 def _assign(pieces: List[_Piece], assigned: Dict[int, _RankWrites], load: LeastLoaded) -> None:
     """Each piece to the least-loaded rank holding it, biggest first (into `assigned` and `load`)."""
     for piece in sorted(pieces, key=lambda p: (-p.nbytes, p.key, p.box)):
-        rank = load.pick(piece.ranks, piece.holders)
+        rank = load.take(piece.ranks, piece.nbytes, piece.holders)
         index = next(h.starts[rank] + h.index for h in piece.holdings if rank in h.starts)
         assigned[rank].add(index, piece.key, piece.box, piece.nbytes)
-        load.add(rank, piece.nbytes)
