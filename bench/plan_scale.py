@@ -238,8 +238,9 @@ def load_exchange(requests, wanted, led) -> Tuple[RankReads, RunGroups, dict]:
     """What a load's ranks all-gather before the read-once assignment, as the agreement pickles
     it, and a rank's time to unpickle and join it: first every rank's `LoadRequest` (its request
     runs, and the runs of the stored keys it uses: `wanted`, its specs' here), then each its
-    `LedRequests` (the requests and keys of the runs it is the first holder of), both `packed`;
-    beside every rank's whole requests, which the second replaces. Returns the assignment's
+    `LedRequests` (its share of the requests and keys of its runs), both `packed`; beside every
+    rank's whole requests, which the second replaces, and what `all_gather_object` moves of the
+    second: every message padded to the largest. Returns the assignment's
     input: the joined requests and every rank's runs, grouped."""
     first = [LoadRequest(wanted=w, key_runs=k, runs=r, host=f"host-{rank // 8}", path="ckpt")
              for rank, ((w, k), (_, r)) in enumerate(zip(wanted, requests))]
@@ -253,9 +254,11 @@ def load_exchange(requests, wanted, led) -> Tuple[RankReads, RunGroups, dict]:
              for rank, (w, r) in enumerate(zip(wanted, led(every.runs)))]
     t0 = time.perf_counter()
     joined = LedRequests.of([pickle.loads(b)[1] for b in blobs], every)
+    t_second = time.perf_counter() - t0
     return joined.reads, every.runs, dict(load_request_mb=first_mb, t_load_request=t_first,
                                           load_gather_mb=sum(map(len, blobs)) / 2**20, load_flat_mb=flat / 2**20,
-                                          t_load_unpickle=time.perf_counter() - t0)
+                                          load_padded_mb=len(blobs) * max(map(len, blobs)) / 2**20,
+                                          t_load_unpickle=t_second)
 
 
 def run(layout, world: int) -> dict:
@@ -411,12 +414,14 @@ def main() -> None:
                   f"{link_s(r['gather_flat_mb']):>5.2f} {r['t_gather']:>10.2f} {r['send_mb']:>12,.0f} "
                   f"{link_s(r['send_mb']):>5.2f} {r['t_send']:>8.2f} {r['commit_mb']:>16,.0f} {link_s(r['commit_mb']):>5.2f}")
         print("a load's two all-gathers before the read-once assignment (every rank's request, then its led "
-              f"reads), MB each rank receives as pickled (s at {LINK_GBS:g} GB/s), and its unpickling:")
+              f"reads: their sum, and padded as all_gather_object pads them), MB each rank receives as pickled "
+              f"(s at {LINK_GBS:g} GB/s), and its unpickling:")
         print(f"{'ranks':>6} {'request MB':>10} {'s':>5} {'unpickle s':>10} {'reads MB':>8} {'s':>5} "
-              f"{'flat reads MB':>13} {'s':>5} {'unpickle s':>10}")
+              f"{'padded MB':>9} {'s':>5} {'flat reads MB':>13} {'s':>5} {'unpickle s':>10}")
         for r in rows:
             print(f"{r['world']:>6} {r['load_request_mb']:>10,.0f} {link_s(r['load_request_mb']):>5.2f} "
                   f"{r['t_load_request']:>10.2f} {r['load_gather_mb']:>8,.0f} {link_s(r['load_gather_mb']):>5.2f} "
+                  f"{r['load_padded_mb']:>9,.0f} {link_s(r['load_padded_mb']):>5.2f} "
                   f"{r['load_flat_mb']:>13,.0f} {link_s(r['load_flat_mb']):>5.2f} {r['t_load_unpickle']:>10.2f}")
     print(f"process max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
 

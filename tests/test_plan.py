@@ -61,8 +61,12 @@ def test_run_groups_number_runs_as_first_met_and_check_they_cover_each_rank():
     assert groups.rank.tolist() == [0, 0, 2, 2, 2, 3, 3] and groups.start.tolist() == [0, 1, 0, 3, 4, 0, 2]
     order, bounds = groups.holders()
     assert [order[x:y].tolist() for x, y in zip(bounds[:-1], bounds[1:])] == [[0, 3, 4, 6], [1, 5], [2]]
-    assert [groups.led(r).tolist() for r in range(4)] == [[0, 1, 2], [], [0, 1, 2], []]
-    assert groups.leading().tolist() == [0, 1, 2, 3, 4, 5]  # the same, in the ranks' lists joined
+    # what each rank sends of its runs: an equal share of each (group 0's one item goes with its last holder)
+    assert [groups.led(r).tolist() for r in range(4)] == [[1], [], [0, 1, 2], [1, 2]]
+    sent = np.concatenate([groups.led(r) + (0, 3, 3, 8)[r] for r in range(4)])  # in the ranks' lists joined
+    # in the groups' order: the items of the first holders' runs (`leading`) or of runs alike to them
+    assert sent[np.argsort(groups.led_order())].tolist() == [10, 1, 9, 3, 4, 5]
+    assert groups.leading().tolist() == [0, 1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="rank 1's run digests cover 2 of 3 items"):
         run_groups([[Run(a, 3)], [Run(a, 2)]], [3, 3])
     with pytest.raises(ValueError, match="runs of one digest differ in length"):
@@ -118,18 +122,18 @@ def test_requests_travel_as_bytes_and_join_as_they_were():
     assert [every.reads.request(i, files) for i in range(len(every.reads))] == [q for q in sent for q in q]
     assert every.runs.rank.tolist() == [0, 2, 3] and every.runs.count.tolist() == [1, 2, 2]
     requests[0].reads, requests[3].path = None, "other"  # one rank without its reads: none are used
-    requests[2].wanted = np.array([1, 4], dtype=np.int32)  # alike to rank 1's: rank 1 sends them
+    requests[2].wanted = np.array([1, 4], dtype=np.int32)  # alike to rank 1's: their holders share the sending
     requests[2].key_runs = key_runs(keys, requests[2].wanted)
     every = LoadRequests.of([r.packed() for r in requests])
     assert every.reads is None and every.used is None and every.paths == ["ckpt", "other"]
     assert every.key_runs.group.tolist() == [0, 1, 2, 1, 2, 1, 3, 1] and every.key_runs.count.tolist() == [1] * 8
     led = [LedRequests.mine(r, reads[k], every, k) for k, r in enumerate(requests)]
-    assert [m.keys.tolist() for m in led] == [[0, 4], [1], [], [3]] and [len(m.reads) for m in led] == [1, 0, 2, 2]
+    assert [m.keys.tolist() for m in led] == [[0], [], [1], [3, 4]] and [len(m.reads) for m in led] == [1, 0, 2, 2]
     joined = LedRequests.of([m.packed() for m in led], every)
-    assert joined.keys.tolist() == [0, 4, 1, 3]
+    assert joined.keys.tolist() == [0, 1, 3, 4]
     assert [joined.reads.request(i, files) for i in range(len(joined.reads))] == [q for q in sent for q in q]
-    with pytest.raises(ValueError, match="rank 1 sent 0 bytes, short of the 8 bytes of its 1 key indices"):
-        LedRequests.of([led[0].packed(), b""] + [m.packed() for m in led[2:]], every)
+    with pytest.raises(ValueError, match="rank 3 sent 0 bytes, short of the 8 bytes of its 2 key indices"):
+        LedRequests.of([m.packed() for m in led[:3]] + [b""], every)
     with pytest.raises(ValueError, match="rank 1 sent 176 bytes that do not hold its load request"):
         LoadRequests.of([requests[0].packed(), requests[1].packed()[:-8]])
 
@@ -236,13 +240,13 @@ def test_big_replicated_boxes_are_split_across_their_holders():
 def assign(requests, runs=None, *args, **kwargs):
     """The read-once assignment of each rank's list of `ReadRequest`s; with their `runs_of`, as a
     load exchanges them (each rank sends its `led_reads`)."""
-    from ckpt_plugins._src.read_once import RankReads, assign_transfers, led_reads
+    from ckpt_plugins._src.read_once import RankReads, assign_transfers, in_group_order, led_reads
     from ckpt_plugins._src.runs import run_groups
     files = sorted({r.file for reqs in requests for r in reqs})
     reads = [RankReads.of(r, {f: i for i, f in enumerate(files)}) for r in requests]
     groups = run_groups(runs, [len(r) for r in reads])
-    reads = [led_reads(r, groups, rank) for rank, r in enumerate(reads)]
-    return assign_transfers(RankReads.joined(reads), groups, files, *args, **kwargs)
+    reads = in_group_order(RankReads.joined([led_reads(r, groups, rank) for rank, r in enumerate(reads)]), groups)
+    return assign_transfers(reads, groups, files, *args, **kwargs)
 
 
 def test_read_once_assignment_reads_every_shared_range_once():
@@ -284,12 +288,13 @@ def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
     runs = [runs_of(keys, r) for r in reqs]
     assert len({r[0] for r in runs}) == 1 and len({r[1] for r in runs}) == 4
     by_runs, by_ranks = assign(reqs, runs), assign(reqs)
-    from ckpt_plugins._src.read_once import RankReads, led_reads
+    from ckpt_plugins._src.read_once import RankReads, in_group_order, led_reads
     from ckpt_plugins._src.runs import run_groups
     groups, files = run_groups(runs), {"o": 0, "w": 1}
     sent = [led_reads(RankReads.of(q, files), groups, r) for r, q in enumerate(reqs)]
-    assert [len(s) for s in sent] == [5, 2, 2, 2]  # the weights' requests come from the first replica alone
-    assert [sent[r].request(i, list(files)) for r in range(4) for i in range(len(sent[r]))] == \
+    assert [len(s) for s in sent] == [2, 3, 3, 3]  # the weights' requests come from the replicas, a third each
+    joined = in_group_order(RankReads.joined(sent), groups)
+    assert [joined.request(i, list(files)) for i in range(len(joined))] == \
         reqs[0] + [q for r in range(1, 4) for q in reqs[r][3:]]
     assert by_runs == by_ranks and by_runs.shared == 3  # each optimizer item's halves: read by their needers
     for rank in range(4):

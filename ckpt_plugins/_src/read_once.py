@@ -2,10 +2,10 @@
 several ranks read, which reads the union of their ranges and sends each its regions.
 
 Every rank makes it from every rank's read requests, each distinct run of them once (sent by its
-first holder: `led_reads`): at scale, millions (`bench/plan_scale.py`). A rank's requests therefore
-travel as columns (`RankReads`), files by their index in the checkpoint's file table, and the pass
-that finds which items are shared runs on arrays; only the shared items, few beside the optimizer
-shards each rank reads alone, are handled one by one.
+holders in equal shares: `led_reads`): at scale, millions (`bench/plan_scale.py`). A rank's
+requests therefore travel as columns (`RankReads`), files by their index in the checkpoint's file
+table, and the pass that finds which items are shared runs on arrays; only the shared items, few
+beside the optimizer shards each rank reads alone, are handled one by one.
 """
 from __future__ import annotations
 
@@ -233,9 +233,8 @@ class _Groups:
 
 @dataclass
 class _Rows:
-    """Every group's requests, one row each, in the groups' order (its leader's `led_reads`, one
-    leader after the other): a row's group and the request's columns (`file`: an index into the
-    file table)."""
+    """Every group's requests, one row each, in the groups' order (`in_group_order`): a row's
+    group and the request's columns (`file`: an index into the file table)."""
     group: np.ndarray
     file: np.ndarray
     offset: np.ndarray
@@ -250,9 +249,18 @@ class _Rows:
 
 
 def led_reads(reads: RankReads, runs: RunGroups, rank: int) -> RankReads:
-    """What `rank` sends for the assignment: its requests in the runs it is the first holder of."""
+    """What `rank` sends for the assignment: its share of the requests in its runs (`RunGroups.led`)."""
     led = runs.led(rank)
     return reads if len(led) == len(reads) else reads.take(led)
+
+
+def in_group_order(sent: RankReads, runs: RunGroups) -> RankReads:
+    """Every rank's `led_reads`, one rank after the other (`sent`), as the assignment takes them:
+    every group's requests, in the groups' order."""
+    at = runs.led_order()
+    rows = np.empty_like(at)
+    rows[at] = np.arange(len(at), dtype=np.int64)
+    return sent.take(rows)
 
 
 @gc_paused
@@ -265,9 +273,9 @@ def assign_transfers(reads: RankReads, runs: RunGroups, files: Sequence[str], ra
     the union of the needed ranges. Items only one rank needs, or whose needers want disjoint
     ranges of it, are left to those ranks. `runs`: every rank's request runs (`run_groups` of
     their `runs_of`; of None and their lengths: each rank's whole list its own run), which runs
-    several ranks request alike are handled once by; `reads`: every rank's `led_reads`, one rank
-    after the other. With `rank`, only the transfers that rank reads or needs are built.
-    `readers(file)`: the ranks that can read a file (None: all); an item no needer can read is
+    several ranks request alike are handled once by; `reads`: every rank's `led_reads`, in the
+    groups' order (`in_group_order`). With `rank`, only the transfers that rank reads or needs are
+    built. `readers(file)`: the ranks that can read a file (None: all); an item no needer can read is
     read by one that can, which passes it on to every needer.
     """
     groups = _Groups.of(runs)

@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import pickle
 from dataclasses import dataclass
+from functools import cached_property
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -60,23 +61,45 @@ class RunGroups:
         return order, np.searchsorted(self.group[order], np.arange(len(self.first) + 1))
 
     def led(self, rank: int) -> np.ndarray:
-        """The positions in `rank`'s list of the items in the runs it is the first holder of: all
-        that others need of its list, since the other holders' runs are alike."""
+        """The positions in `rank`'s list of the items it sends the others: its share of each of
+        its runs (`_shares`). All that others need of its list, since the other holders' runs
+        are alike."""
         mine = np.arange(*np.searchsorted(self.rank, [rank, rank + 1]).tolist())
-        lead = mine[self.first[self.group[mine]] == mine]
-        return spans(self.start[lead], self.count[lead])
+        first, count = self._shares
+        return spans(self.start[mine] + first[mine], count[mine])
 
     def held(self) -> np.ndarray:
         """How many items each rank holds."""
         return np.bincount(self.rank, weights=self.count, minlength=self.world).astype(np.int64)
 
     def led_counts(self) -> np.ndarray:
-        """How many items each rank leads (`led` gives their positions)."""
-        return np.bincount(self.rank[self.first], weights=self.count[self.first], minlength=self.world).astype(np.int64)
+        """How many items each rank sends (`led` gives their positions)."""
+        return np.bincount(self.rank, weights=self._shares[1], minlength=self.world).astype(np.int64)
+
+    def led_order(self) -> np.ndarray:
+        """Where each item that every rank sends (`led`, one rank after the other) goes among
+        every group's items in the groups' order (a group's in its holders' list order)."""
+        first, count = self._shares
+        at = np.cumsum(self.count[self.first]) - self.count[self.first]  # each group's first item
+        return spans(at[self.group] + first, count)
+
+    @cached_property
+    def _shares(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Per span, the first of its run's items it sends and how many: each group's items dealt
+        over its holders in equal parts, holder j of m items [j c / m, (j + 1) c / m). Not the
+        first holder's alone: `all_gather_object` pads every message to the largest, and at scale
+        the first replica of each model-parallel rank would send all its weights' requests."""
+        order, bounds = self.holders()
+        j = np.empty(len(self.group), dtype=np.int64)
+        j[order] = np.arange(len(order), dtype=np.int64) - bounds[self.group[order]]
+        m = np.diff(bounds)[self.group]
+        first = j * self.count // m
+        return first, (j + 1) * self.count // m - first
 
     def leading(self) -> np.ndarray:
         """The positions of every group's items in every rank's list, joined rank by rank: its
-        first holder's (what `led` gives of each rank, one after the other)."""
+        first holder's, in the groups' order (what every rank's `led`, joined in `led_order`,
+        gives)."""
         held = self.held()
         return spans((np.cumsum(held) - held)[self.rank[self.first]] + self.start[self.first], self.count[self.first])
 
