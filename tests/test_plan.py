@@ -64,9 +64,8 @@ def test_run_groups_number_runs_as_first_met_and_check_they_cover_each_rank():
     # what each rank sends of its runs: an equal share of each (group 0's one item goes with its last holder)
     assert [groups.led(r).tolist() for r in range(4)] == [[1], [], [0, 1, 2], [1, 2]]
     sent = np.concatenate([groups.led(r) + (0, 3, 3, 8)[r] for r in range(4)])  # in the ranks' lists joined
-    # in the groups' order: the items of the first holders' runs (`leading`) or of runs alike to them
-    assert sent[np.argsort(groups.led_order())].tolist() == [10, 1, 9, 3, 4, 5]
-    assert groups.leading().tolist() == [0, 1, 2, 3, 4, 5]
+    assert groups.leading().tolist() == sent.tolist() == [1, 3, 4, 5, 9, 10]
+    assert groups.led_groups().tolist() == [1, 2, 2, 2, 1, 0]
     with pytest.raises(ValueError, match="rank 1's run digests cover 2 of 3 items"):
         run_groups([[Run(a, 3)], [Run(a, 2)]], [3, 3])
     with pytest.raises(ValueError, match="runs of one digest differ in length"):
@@ -240,12 +239,12 @@ def test_big_replicated_boxes_are_split_across_their_holders():
 def assign(requests, runs=None, *args, **kwargs):
     """The read-once assignment of each rank's list of `ReadRequest`s; with their `runs_of`, as a
     load exchanges them (each rank sends its `led_reads`)."""
-    from ckpt_plugins._src.read_once import RankReads, assign_transfers, in_group_order, led_reads
+    from ckpt_plugins._src.read_once import RankReads, assign_transfers, led_reads
     from ckpt_plugins._src.runs import run_groups
     files = sorted({r.file for reqs in requests for r in reqs})
     reads = [RankReads.of(r, {f: i for i, f in enumerate(files)}) for r in requests]
     groups = run_groups(runs, [len(r) for r in reads])
-    reads = in_group_order(RankReads.joined([led_reads(r, groups, rank) for rank, r in enumerate(reads)]), groups)
+    reads = RankReads.joined([led_reads(r, groups, rank) for rank, r in enumerate(reads)])
     return assign_transfers(reads, groups, files, *args, **kwargs)
 
 
@@ -288,18 +287,31 @@ def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
     runs = [runs_of(keys, r) for r in reqs]
     assert len({r[0] for r in runs}) == 1 and len({r[1] for r in runs}) == 4
     by_runs, by_ranks = assign(reqs, runs), assign(reqs)
-    from ckpt_plugins._src.read_once import RankReads, in_group_order, led_reads
+    from ckpt_plugins._src.read_once import RankReads, led_reads
     from ckpt_plugins._src.runs import run_groups
     groups, files = run_groups(runs), {"o": 0, "w": 1}
     sent = [led_reads(RankReads.of(q, files), groups, r) for r, q in enumerate(reqs)]
     assert [len(s) for s in sent] == [2, 3, 3, 3]  # the weights' requests come from the replicas, a third each
-    joined = in_group_order(RankReads.joined(sent), groups)
-    assert [joined.request(i, list(files)) for i in range(len(joined))] == \
-        reqs[0] + [q for r in range(1, 4) for q in reqs[r][3:]]
+    assert [sent[r].request(i, list(files)) for r in range(4) for i in range(len(sent[r]))] == \
+        reqs[0][3:] + [q for r in range(1, 4) for q in [reqs[r][r - 1]] + reqs[r][3:]]
     assert by_runs == by_ranks and by_runs.shared == 3  # each optimizer item's halves: read by their needers
     for rank in range(4):
         assert assign(reqs, runs, rank).transfers == {
             k: t for k, t in by_ranks.transfers.items() if rank in t.needers}
+
+
+def test_an_item_several_runs_need_lists_its_needers_run_by_run():
+    """Holders send their runs' requests in shares, so an item two runs need can arrive from the
+    later run first: its needers, and the regions each wants, still go run by run in the order
+    the runs were first met."""
+    from ckpt_plugins._src.runs import runs_of
+    from ckpt_plugins._src.read_once import ReadRequest as R
+    rows = lambda a, n: (((a, 0), (n, 4)),)  # noqa: E731
+    x, y, half = R("f", 0, 0, 64, rows(0, 4)), R("f", 64, 0, 64, rows(0, 4)), R("f", 64, 0, 32, rows(0, 2))
+    reqs = [[x, y], [half, R("g", 0, 0, 8, rows(0, 2))], [], [x, y]]  # ranks 0 and 3 alike: each sends one
+    runs = [runs_of(["model/w"] * len(r), r) for r in reqs]
+    t = assign(reqs, runs).transfers[("f", 64)]  # rank 3's share of the first run comes after rank 1's run
+    assert t.needers == (0, 3, 1) and t.wants == (rows(0, 4), rows(0, 4), rows(0, 2))
 
 
 def test_read_once_assignment_of_random_requests_keeps_its_rules():

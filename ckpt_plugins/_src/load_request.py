@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .packing import Joined, aligned, padded, spans
-from .read_once import RankReads, in_group_order, led_reads
+from .read_once import RankReads, led_reads
 from .runs import DIGEST_BYTES, Run, RunGroups, packed_runs, runs_of
 
 _FIELDS = 7  # the header: runs, key runs, wanted keys, bytes of missing keys, host, path, reads (-1: none)
@@ -101,8 +101,8 @@ class LoadRequests:
 class LedRequests:
     """What one rank sends in a load's second all-gather, where the first did not hold its reads
     (`LoadRequests.reads` None): its share of the keys in its key runs (`RunGroups.led`), and its
-    `led_reads`. Joined (`of`): every key some rank uses (indices, repeated), and every group's
-    read requests in the groups' order (`in_group_order`)."""
+    `led_reads`. Joined (`of`): every key some rank uses (indices, repeated), and every rank's
+    led reads one rank after the other."""
     keys: np.ndarray
     reads: RankReads
 
@@ -124,4 +124,4 @@ class LedRequests:
             raise ValueError(f"rank {short[0]} sent {joined.size[short[0]]} bytes, short of the {skip[short[0]]} bytes "
                              f"of its {keys[short[0]]} key indices")
         reads = RankReads.unpacked(joined, joined.start + skip, joined.size - skip, every.runs.led_counts())
-        return cls(joined.words[spans(joined.start // 4, keys)], in_group_order(reads, every.runs))
+        return cls(joined.words[spans(joined.start // 4, keys)], reads)

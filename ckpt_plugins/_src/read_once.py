@@ -233,8 +233,9 @@ class _Groups:
 
 @dataclass
 class _Rows:
-    """Every group's requests, one row each, in the groups' order (`in_group_order`): a row's
-    group and the request's columns (`file`: an index into the file table)."""
+    """Every group's requests, one row each, as the ranks sent them (each its `led_reads`, one
+    rank after the other): a row's group and the request's columns (`file`: an index into the
+    file table)."""
     group: np.ndarray
     file: np.ndarray
     offset: np.ndarray
@@ -245,22 +246,13 @@ class _Rows:
     def of(cls, reads: "RankReads", groups: _Groups) -> "_Rows":
         if len(reads) != int(groups.count.sum()):
             raise ValueError(f"{len(reads)} read requests were sent for runs of {int(groups.count.sum())}")
-        return cls(np.repeat(np.arange(len(groups.count), dtype=np.int64), groups.count), *reads.columns)
+        return cls(groups.runs.led_groups(), *reads.columns)
 
 
 def led_reads(reads: RankReads, runs: RunGroups, rank: int) -> RankReads:
     """What `rank` sends for the assignment: its share of the requests in its runs (`RunGroups.led`)."""
     led = runs.led(rank)
     return reads if len(led) == len(reads) else reads.take(led)
-
-
-def in_group_order(sent: RankReads, runs: RunGroups) -> RankReads:
-    """Every rank's `led_reads`, one rank after the other (`sent`), as the assignment takes them:
-    every group's requests, in the groups' order."""
-    at = runs.led_order()
-    rows = np.empty_like(at)
-    rows[at] = np.arange(len(at), dtype=np.int64)
-    return sent.take(rows)
 
 
 @gc_paused
@@ -273,9 +265,8 @@ def assign_transfers(reads: RankReads, runs: RunGroups, files: Sequence[str], ra
     the union of the needed ranges. Items only one rank needs, or whose needers want disjoint
     ranges of it, are left to those ranks. `runs`: every rank's request runs (`run_groups` of
     their `runs_of`; of None and their lengths: each rank's whole list its own run), which runs
-    several ranks request alike are handled once by; `reads`: every rank's `led_reads`, in the
-    groups' order (`in_group_order`). With `rank`, only the transfers that rank reads or needs are
-    built. `readers(file)`: the ranks that can read a file (None: all); an item no needer can read is
+    several ranks request alike are handled once by; `reads`: every rank's `led_reads`, one rank
+    after the other. With `rank`, only the transfers that rank reads or needs are built. `readers(file)`: the ranks that can read a file (None: all); an item no needer can read is
     read by one that can, which passes it on to every needer.
     """
     groups = _Groups.of(runs)
@@ -335,7 +326,7 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
             rank: Optional[int]) -> Assignment:
     """Readers for the shared items (`shared_rows`, of items `shared_item`), largest first, then
     by item (file, offset): each the least loaded of its needers (able to read it)."""
-    by = np.lexsort((shared_rows, shared_item))  # each item's rows in the groups' order
+    by = np.lexsort((shared_rows, rows.group[shared_rows], shared_item))  # each item's rows in the groups' order
     users, item = shared_rows[by], shared_item[by]
     cut = np.flatnonzero(np.diff(item, prepend=-1)) if len(item) else np.zeros(0, dtype=np.int64)
     stop = np.append(cut[1:], len(users)).astype(np.int64)

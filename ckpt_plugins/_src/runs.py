@@ -76,12 +76,9 @@ class RunGroups:
         """How many items each rank sends (`led` gives their positions)."""
         return np.bincount(self.rank, weights=self._shares[1], minlength=self.world).astype(np.int64)
 
-    def led_order(self) -> np.ndarray:
-        """Where each item that every rank sends (`led`, one rank after the other) goes among
-        every group's items in the groups' order (a group's in its holders' list order)."""
-        first, count = self._shares
-        at = np.cumsum(self.count[self.first]) - self.count[self.first]  # each group's first item
-        return spans(at[self.group] + first, count)
+    def led_groups(self) -> np.ndarray:
+        """The group of each item every rank sends (`led`, one rank after the other)."""
+        return np.repeat(self.group, self._shares[1])
 
     @cached_property
     def _shares(self) -> Tuple[np.ndarray, np.ndarray]:
@@ -97,11 +94,11 @@ class RunGroups:
         return first, (j + 1) * self.count // m - first
 
     def leading(self) -> np.ndarray:
-        """The positions of every group's items in every rank's list, joined rank by rank: its
-        first holder's, in the groups' order (what every rank's `led`, joined in `led_order`,
-        gives)."""
+        """The positions, in every rank's list joined rank by rank, of what every rank's `led`
+        gives, one rank after the other."""
         held = self.held()
-        return spans((np.cumsum(held) - held)[self.rank[self.first]] + self.start[self.first], self.count[self.first])
+        first, count = self._shares
+        return spans((np.cumsum(held) - held)[self.rank] + self.start + first, count)
 
     @classmethod
     def unpacked(cls, joined, counts: np.ndarray, digests: np.ndarray, n: np.ndarray,
