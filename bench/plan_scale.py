@@ -216,9 +216,10 @@ def joined_requests(digests, requests) -> Tuple[PlanRequests, RunGroups]:
 
 def collectives(gathered, rank_runs, plan, digests, answers, requests) -> dict:
     """What the coordinator receives and sends, pickled as the collectives pickle them:
-    `plan_requests` received, beside the gather of every rank's whole spec list it replaces; its
-    answers and the plan's replies, with the time to make the replies; the commit's gather of
-    each rank's checksums and file sizes."""
+    `plan_requests` received (their sum, and as `gather_object` pads every message to the largest),
+    beside the gather of every rank's whole spec list it replaces; its answers and the plan's
+    replies, with the time to make the replies; the commit's gather of each rank's checksums and
+    file sizes."""
     t0 = time.perf_counter()
     replies = [pickle.dumps(PlanReply(None, plan.packed(rank), [], plan.balance, plan.chunk_bytes))
                for rank in range(len(gathered))]
@@ -229,7 +230,9 @@ def collectives(gathered, rank_runs, plan, digests, answers, requests) -> dict:
         flat += len(pickle.dumps((Structure(specs, {}, []), runs)))
         sizes = {f: plan.metadata.files[f] for f in data_file_names(rank, FILES_PER_RANK) if f in plan.metadata.files}
         commit += len(pickle.dumps(WriteReport(None, [e.crc32c for e in plan.stored[rank]], {}, sizes)))
+    padded = len(gathered) * (max(map(len, digests)) + max(map(len, requests)))  # as gather_object pads them
     return dict(gather_flat_mb=flat / 2**20, gather_mb=(sum(map(len, digests)) + sum(map(len, requests))) / 2**20,
+                gather_padded_mb=padded / 2**20,
                 send_mb=reply / 2**20, t_send=t_send, commit_mb=commit / 2**20)
 
 
@@ -407,10 +410,11 @@ def main() -> None:
                       and r["peak_mb"] < peak_mb and r["meta_mb"] < (meta_mb or math.inf))
                 print(f"       targets (each plan with its gather's unpickling): {'met' if ok else 'MISSED'}")
         print(f"the coordinator's collectives, MB as pickled (s at {LINK_GBS:g} GB/s), and its unpickling and joining of the gathered specs:")
-        print(f"{'ranks':>6} {'plan gather MB':>14} {'s':>5} {'flat gather MB':>14} {'s':>5} {'unpickle s':>10} "
+        print(f"{'ranks':>6} {'plan gather MB':>14} {'s':>5} {'padded MB':>9} {'s':>5} {'flat gather MB':>14} {'s':>5} {'unpickle s':>10} "
               f"{'plan send MB':>12} {'s':>5} {'making s':>8} {'commit gather MB':>16} {'s':>5}")
         for r in rows:
-            print(f"{r['world']:>6} {r['gather_mb']:>14,.0f} {link_s(r['gather_mb']):>5.2f} {r['gather_flat_mb']:>14,.0f} "
+            print(f"{r['world']:>6} {r['gather_mb']:>14,.0f} {link_s(r['gather_mb']):>5.2f} {r['gather_padded_mb']:>9,.0f} "
+                  f"{link_s(r['gather_padded_mb']):>5.2f} {r['gather_flat_mb']:>14,.0f} "
                   f"{link_s(r['gather_flat_mb']):>5.2f} {r['t_gather']:>10.2f} {r['send_mb']:>12,.0f} "
                   f"{link_s(r['send_mb']):>5.2f} {r['t_send']:>8.2f} {r['commit_mb']:>16,.0f} {link_s(r['commit_mb']):>5.2f}")
         print("a load's two all-gathers before the read-once assignment (every rank's request, then its led "
