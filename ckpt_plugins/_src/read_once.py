@@ -266,7 +266,8 @@ def assign_transfers(reads: RankReads, runs: RunGroups, files: Sequence[str], ra
     ranges of it, are left to those ranks. `runs`: every rank's request runs (`run_groups` of
     their `runs_of`; of None and their lengths: each rank's whole list its own run), which runs
     several ranks request alike are handled once by; `reads`: every rank's `led_reads`, one rank
-    after the other. With `rank`, only the transfers that rank reads or needs are built. `readers(file)`: the ranks that can read a file (None: all); an item no needer can read is
+    after the other. With `rank`, only the transfers that rank reads or needs are built.
+    `readers(file)`: the ranks that can read a file (None: all); an item no needer can read is
     read by one that can, which passes it on to every needer.
     """
     groups = _Groups.of(runs)
@@ -289,7 +290,7 @@ def _by_item(rows: _Rows) -> Tuple[np.ndarray, np.ndarray]:
     width = int(rows.offset.max()).bit_length() if len(rows.offset) else 0
     if int(rows.file.max(initial=0)).bit_length() + width < 63:
         key = (rows.file << width) | rows.offset
-        order = np.argsort(key, kind="stable")  # rows mostly come in order (each rank's by file): runs a merge sort finds
+        order = np.argsort(key, kind="stable")  # rows come in long sorted runs, which a merge sort finds
         key = key[order]
         first = key[1:] != key[:-1]
     else:
