@@ -59,7 +59,7 @@ def test_run_groups_number_runs_as_first_met_and_check_they_cover_each_rank():
     groups = run_groups([[Run(b, 1), Run(a, 2)], [], [Run(c, 3), Run(b, 1), Run(b, 1)], [Run(a, 2), Run(b, 1)]], [3, 0, 5, 3])
     assert groups.group.tolist() == [0, 1, 2, 0, 0, 1, 0] and groups.first.tolist() == [0, 1, 2]
     assert groups.rank.tolist() == [0, 0, 2, 2, 2, 3, 3] and groups.start.tolist() == [0, 1, 0, 3, 4, 0, 2]
-    order, bounds = groups.holders()
+    order, bounds = groups.holders
     assert [order[x:y].tolist() for x, y in zip(bounds[:-1], bounds[1:])] == [[0, 3, 4, 6], [1, 5], [2]]
     # what each rank sends of its runs: an equal share of each (group 0's one item goes with its last holder)
     assert [groups.led(r).tolist() for r in range(4)] == [[1], [], [0, 1, 2], [1, 2]]

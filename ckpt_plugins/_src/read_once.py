@@ -10,7 +10,6 @@ beside the optimizer shards each rank reads alone, are handled one by one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -223,12 +222,8 @@ class _Groups:
 
     def ranks(self, groups: Sequence[int]) -> Tuple[int, ...]:
         """The ranks holding `groups`, group by group."""
-        order, bounds = self._holders
+        order, bounds = self.runs.holders
         return tuple(r for g in groups for r in self.runs.rank[order[bounds[g]:bounds[g + 1]]].tolist())
-
-    @cached_property
-    def _holders(self) -> Tuple[np.ndarray, np.ndarray]:
-        return self.runs.holders()
 
 
 @dataclass

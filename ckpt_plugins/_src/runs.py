@@ -55,8 +55,10 @@ class RunGroups:
     first: np.ndarray
     world: int
 
+    @cached_property
     def holders(self) -> Tuple[np.ndarray, np.ndarray]:
-        """Each group's spans, in rank order: group g's are `order[bounds[g]:bounds[g + 1]]`."""
+        """Each group's spans, in rank order: group g's are `order[bounds[g]:bounds[g + 1]]`
+        (kept: the shares and the read-once assignment both use them)."""
         order = np.argsort(self.group, kind="stable")
         return order, np.searchsorted(self.group[order], np.arange(len(self.first) + 1))
 
@@ -86,7 +88,7 @@ class RunGroups:
         over its holders in equal parts, holder j of m items [j c / m, (j + 1) c / m). Not the
         first holder's alone: `all_gather_object` pads every message to the largest, and at scale
         the first replica of each model-parallel rank would send all its weights' requests."""
-        order, bounds = self.holders()
+        order, bounds = self.holders
         j = np.empty(len(self.group), dtype=np.int64)
         j[order] = np.arange(len(order), dtype=np.int64) - bounds[self.group[order]]
         m = np.diff(bounds)[self.group]

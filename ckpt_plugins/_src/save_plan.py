@@ -368,7 +368,7 @@ def _shared(table: SpecTable, rows: _Rows, runs: RunGroups, keys: _Keys, live: n
             shared: np.ndarray, nbytes: np.ndarray) -> Dict[Tuple[int, Box], _Box]:
     """The distinct boxes `shared` (numbers among `box`'s, the rows `live`'s), one by one, each
     with the runs holding it (a run holding it twice: the first)."""
-    order, bounds = runs.holders()
+    order, bounds = runs.holders
     starts: Dict[int, Dict[int, int]] = {}
 
     def held(g: int) -> Dict[int, int]:
