@@ -46,7 +46,7 @@ from ckpt_plugins._src.saving import WriteReport
 from ckpt_plugins._src.plan import TensorSpec, plan_load
 from ckpt_plugins._src.runs import RunGroups, runs_of
 from ckpt_plugins._src.save_plan import data_file_names, plan_save, spec_runs
-from ckpt_plugins._src.save_request import PlanRequests, first_held, joined_runs, runs_asked, runs_message
+from ckpt_plugins._src.save_request import PlanRequests, joined_runs, runs_message, shares_asked, stretches_asked
 from ckpt_plugins._src.read_once import RankReads, assign_transfers, led_reads, read_request
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 8192, 28672, 80, 64, 8, 32000
@@ -197,20 +197,20 @@ def version_1(metadata) -> bytes:
 
 def plan_requests(gathered, rank_runs) -> Tuple[list, list, list]:
     """What the coordinator gathers and answers for a new save plan, pickled as the collectives
-    pickle it: the ranks' run digests, its answers (`first_held`), then each distinct run's specs
-    from its first holder (`plan_cache`)."""
+    pickle it: the ranks' run digests, its answers (`shares_asked`), then each distinct run's specs
+    in shares from its holders (`plan_cache`)."""
     digests = [pickle.dumps(runs_message(runs)) for runs in rank_runs]
-    asked = first_held(joined_runs([pickle.loads(b) for b in digests]))
+    asked = shares_asked(joined_runs([pickle.loads(b) for b in digests]))
     return digests, [pickle.dumps(a) for a in asked], [
-        pickle.dumps(_request(Structure(specs, {}, []), runs, runs_asked(a)).packed())
-        for specs, runs, a in zip(gathered, rank_runs, asked)]
+        pickle.dumps(_request(Structure(specs, {}, []), stretches_asked(a)).packed())
+        for specs, a in zip(gathered, asked)]
 
 
 def joined_requests(digests, requests) -> Tuple[PlanRequests, RunGroups]:
     """What the coordinator makes of what it gathers: the runs grouped, its answer to each rank
-    (`first_held`), the requests joined: `plan_save`'s input."""
+    (`shares_asked`), the requests joined: `plan_save`'s input."""
     groups = joined_runs([pickle.loads(b) for b in digests])
-    first_held(groups)
+    shares_asked(groups)
     return PlanRequests.of([pickle.loads(b) for b in requests]), groups
 
 

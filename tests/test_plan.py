@@ -7,7 +7,7 @@ from ckpt_plugins._src.plan import TensorSpec, plan_load
 from ckpt_plugins._src.plan_cache import Structure, _request
 from ckpt_plugins._src.runs import run_groups
 from ckpt_plugins._src.save_plan import plan_save, spec_runs
-from ckpt_plugins._src.save_request import PlanRequests, first_held, joined_runs, runs_asked, runs_message
+from ckpt_plugins._src.save_request import PlanRequests, joined_runs, runs_message, shares_asked, stretches_asked
 from ckpt_plugins._src.spec_table import SpecTable
 
 
@@ -17,12 +17,12 @@ def spec(key, shape, offsets=None, lengths=None, dtype="float32"):
 
 def planned(ranks, files_per_rank=1, digests=None, **kwargs):
     """`plan_save` of every rank's spec list; with their runs (`digests`), from what the
-    coordinator gathers: each distinct run's specs from its first holder alone."""
+    coordinator gathers: each distinct run's specs once, in shares from its holders."""
     if digests is None:
         return plan_save(SpecTable.of(ranks), run_groups(None, [len(r) for r in ranks]), files_per_rank, **kwargs)
     groups = joined_runs([runs_message(r) for r in digests])
-    sent = [_request(Structure(specs, {}, []), r, runs_asked(a)).packed()
-            for specs, r, a in zip(ranks, digests, first_held(groups))]
+    sent = [_request(Structure(specs, {}, []), stretches_asked(a)).packed()
+            for specs, a in zip(ranks, shares_asked(groups))]
     return plan_save(PlanRequests.of(sent).specs, groups, files_per_rank, **kwargs)
 
 
@@ -46,8 +46,9 @@ def test_runs_replicas_hold_alike_are_planned_once_with_the_same_plan():
     ranks[3] = ranks[3][:-1] + [spec("optim/w1/exp_avg", (64, 49), (48, 0), (16, 49)), spec("optim/b", (3,))]
     runs = [spec_runs(r) for r in ranks]
     assert [n for _, n in runs[0]] == [5, 2] and len({r[0] for r in runs}) == 1 and len({r[1] for r in runs}) == 4
-    # what the coordinator gathers: each distinct run's specs from its first holder alone
-    assert [runs_asked(a) for a in first_held(joined_runs([runs_message(r) for r in runs]))] == [[0, 1], [1], [1], [1]]
+    # what the coordinator gathers: each distinct run's specs once, the weights' in shares over the replicas
+    asked = [stretches_asked(a) for a in shares_asked(joined_runs([runs_message(r) for r in runs]))]
+    assert asked == [[(0, 1), (5, 2)], [(1, 1), (5, 2)], [(2, 1), (5, 2)], [(3, 2), (5, 3)]]
     by_runs, by_specs = planned(ranks, 2, digests=runs), planned(ranks, 2)
     assert by_runs.metadata == by_specs.metadata and by_runs.writes == by_specs.writes
     assert sum(len(w) for w in by_runs.writes) == 5 + 4 * 2 + 1  # every weight once

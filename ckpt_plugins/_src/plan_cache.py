@@ -1,25 +1,23 @@
 """The save plan, cached across saves: while every rank's fragment structure is unchanged, a save
 costs one all-reduce of two flags (stale? failed?) instead of gathering specs and scattering a
 new plan. A new plan gathers each distinct run of specs once: the ranks send their runs'
-digests, and the first holder of each run its specs, as columns (`spec_table`: data-parallel
-replicas send their weights' specs once between them); each rank gets its writes back as columns
+digests, and the holders of each run its specs in equal shares, as columns (`spec_table`:
+data-parallel replicas send their weights' specs once between them); each rank gets its writes back as columns
 too (`SavePlan.packed`)."""
 from __future__ import annotations
 
 import hashlib
-import itertools
 import pickle
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .coordinator import Coordinator
 from .errors import SaveError
 from .failure import RankFailure, failure_error
 from .format import CHUNK_BYTES
 from .plan import TensorSpec
-from .runs import Run
 from .save_plan import SavePlan, WriteItem, assign_objects, plan_save, spec_runs, writes_of
-from .save_request import PlanRequest, PlanRequests, first_held, joined_runs, runs_asked, runs_message
+from .save_request import PlanRequest, PlanRequests, joined_runs, runs_message, shares_asked, stretches_asked
 from .spec_table import packed_specs
 
 
@@ -99,10 +97,10 @@ class PlanCache:
         if coord.is_coordinator:
             try:
                 groups = joined_runs(digests)
-                answers = first_held(groups)
+                answers = shares_asked(groups)
             except Exception as exc:  # every rank asked for nothing, then told
                 answers, error = [b""] * coord.world_size, exc
-        gathered = coord.gather(_request(structure, runs, runs_asked(coord.scatter(answers))).packed())
+        gathered = coord.gather(_request(structure, stretches_asked(coord.scatter(answers))).packed())
         plan, replies = None, None
         if coord.is_coordinator:
             try:
@@ -124,8 +122,7 @@ class PlanCache:
         return Agreed(self.cached, False, generation)
 
 
-def _request(structure: Structure, runs: List[Run], asked: List[int]) -> PlanRequest:
-    """A rank's request: the specs of the runs the coordinator asked it for (`first_held`)."""
-    starts = [0, *itertools.accumulate(r.count for r in runs)]
-    return PlanRequest(packed_specs([s for i in asked for s in structure.specs[starts[i]:starts[i + 1]]]),
+def _request(structure: Structure, asked: List[Tuple[int, int]]) -> PlanRequest:
+    """A rank's request: the stretches of its specs the coordinator asked it for (`shares_asked`)."""
+    return PlanRequest(packed_specs([s for a, n in asked for s in structure.specs[a:a + n]]),
                        structure.aliases, structure.objects, structure.casts)

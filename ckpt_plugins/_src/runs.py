@@ -64,10 +64,10 @@ class RunGroups:
 
     def led(self, rank: int) -> np.ndarray:
         """The positions in `rank`'s list of the items it sends the others: its share of each of
-        its runs (`_shares`). All that others need of its list, since the other holders' runs
+        its runs (`shares`). All that others need of its list, since the other holders' runs
         are alike."""
         mine = np.arange(*np.searchsorted(self.rank, [rank, rank + 1]).tolist())
-        first, count = self._shares
+        first, count = self.shares
         return spans(self.start[mine] + first[mine], count[mine])
 
     def held(self) -> np.ndarray:
@@ -76,18 +76,19 @@ class RunGroups:
 
     def led_counts(self) -> np.ndarray:
         """How many items each rank sends (`led` gives their positions)."""
-        return np.bincount(self.rank, weights=self._shares[1], minlength=self.world).astype(np.int64)
+        return np.bincount(self.rank, weights=self.shares[1], minlength=self.world).astype(np.int64)
 
     def led_groups(self) -> np.ndarray:
         """The group of each item every rank sends (`led`, one rank after the other)."""
-        return np.repeat(self.group, self._shares[1])
+        return np.repeat(self.group, self.shares[1])
 
     @cached_property
-    def _shares(self) -> Tuple[np.ndarray, np.ndarray]:
+    def shares(self) -> Tuple[np.ndarray, np.ndarray]:
         """Per span, the first of its run's items it sends and how many: each group's items dealt
         over its holders in equal parts, holder j of m items [j c / m, (j + 1) c / m). Not the
-        first holder's alone: `all_gather_object` pads every message to the largest, and at scale
-        the first replica of each model-parallel rank would send all its weights' requests."""
+        first holder's alone: `all_gather_object` and `gather_object` pad every message to the
+        largest, and at scale the first replica of each model-parallel rank would send all its
+        weights' specs and read requests."""
         order, bounds = self.holders
         j = np.empty(len(self.group), dtype=np.int64)
         j[order] = np.arange(len(order), dtype=np.int64) - bounds[self.group[order]]
@@ -99,7 +100,7 @@ class RunGroups:
         """The positions, in every rank's list joined rank by rank, of what every rank's `led`
         gives, one rank after the other."""
         held = self.held()
-        first, count = self._shares
+        first, count = self.shares
         return spans((np.cumsum(held) - held)[self.rank] + self.start + first, count)
 
     @classmethod

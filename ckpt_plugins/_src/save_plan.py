@@ -233,11 +233,13 @@ def plan_save(table: SpecTable, runs: RunGroups, files_per_rank: int = 1,
               aliases: Optional[Dict[str, str]] = None, casts: bool = False) -> SavePlan:
     """The global save plan of every rank's specs: `runs` groups every rank's runs (`spec_runs`;
     runs several ranks hold alike, such as data-parallel replicas', are planned once), and
-    `table` holds each group's specs once, its first holder's, rank by rank. Steps: the distinct
-    boxes, checked to lie in their tensors, whose shape and dtype every rank agrees on; a box one
-    rank alone holds is its to write; big replicated boxes are cut into row ranges, each piece
-    assigned to the least-loaded rank holding it (biggest first); then all are placed in files.
-    `casts`: every rank found its weights equal to its fp32 masters' cast
+    `table` holds each group's specs once, dealt over its holders (`RunGroups.led`), rank by rank.
+    Which holder sent a spec does not change the plan: a rank's own specs keep their order, a rank
+    holds a box in one run at most, and choices between holders break ties by rank. Steps: the
+    distinct boxes, checked to lie in their tensors, whose shape and dtype every rank agrees on; a
+    box one rank alone holds is its to write; big replicated boxes are cut into row ranges, each
+    piece assigned to the least-loaded rank holding it (biggest first); then all are placed in
+    files. `casts`: every rank found its weights equal to its fp32 masters' cast
     (`casts.masters_cast_exactly`), so the weights whose masters cover them are not written."""
     rows = _Rows.of(table, runs)
     keys = _Keys.of(table, rows)
@@ -270,8 +272,8 @@ def plan_save(table: SpecTable, runs: RunGroups, files_per_rank: int = 1,
 
 @dataclass
 class _Rows:
-    """What each row of the table is: its span (a run of its first holder, as `RunGroups`
-    numbers them), the span's group, its rank, and its index in the run."""
+    """What each row of the table is: the span that sent it (a run of a rank holding it, as
+    `RunGroups` numbers them), the span's group, its rank, and its index in the run."""
     span: np.ndarray
     group: np.ndarray
     rank: np.ndarray
@@ -279,16 +281,15 @@ class _Rows:
 
     @classmethod
     def of(cls, table: SpecTable, runs: RunGroups) -> "_Rows":
-        lead = runs.first  # each group's first span, in span order: rank by rank, as the table
-        count = runs.count[lead]
-        wanted = np.bincount(runs.rank[lead], weights=count, minlength=runs.world).astype(np.int64)
         if len(table.count) != runs.world:
             raise ValueError(f"tensor specs of {len(table.count)} ranks for runs of {runs.world}")
+        wanted = runs.led_counts()
         wrong = np.flatnonzero(table.count != wanted)
         if len(wrong):
-            raise ValueError(f"rank {wrong[0]} sent {table.count[wrong[0]]} tensor specs for runs of {wanted[wrong[0]]}")
-        span = np.repeat(lead, count)
-        index = np.arange(len(span)) - np.repeat(np.cumsum(count) - count, count)
+            raise ValueError(f"rank {wrong[0]} sent {table.count[wrong[0]]} tensor specs for its share of {wanted[wrong[0]]}")
+        first, count = runs.shares
+        span = np.repeat(np.arange(len(count)), count)
+        index = first[span] + np.arange(len(span)) - np.repeat(np.cumsum(count) - count, count)
         return cls(span, runs.group[span], runs.rank[span], index)
 
 

@@ -1,14 +1,14 @@
 """What each rank tells the coordinator for a new save plan, as plain bytes, every rank's joined
 there in one pass on arrays (see `packing`): at scale the coordinator receives a message from
 each of hundreds of thousands of ranks, which take seconds to rebuild as pickled objects. First
-a rank's runs (`runs_message`; the coordinator answers each rank with the runs it is the first
-holder of, `first_held`), then those runs' specs with its aliases, objects and `casts`
+a rank's runs (`runs_message`; the coordinator answers each rank with its share of the specs of
+each run it holds, `shares_asked`), then those specs with its aliases, objects and `casts`
 (`PlanRequest`; joined, `PlanRequests`)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -34,24 +34,28 @@ def joined_runs(blobs: Sequence[bytes]) -> RunGroups:
     return RunGroups.unpacked(joined, counts, counts + 8 * n, n)
 
 
-def first_held(groups: RunGroups) -> List[bytes]:
-    """Each rank's answer: which of its runs it sends the specs of (int32 indices into its runs),
-    those it is the first holder of (the specs `plan_save` reads)."""
-    lead = groups.first  # each group's first span, in span order: rank by rank
-    index = (lead - np.searchsorted(groups.rank, groups.rank[lead])).astype(np.int32)
-    cuts = np.searchsorted(groups.rank[lead], np.arange(groups.world + 1)).tolist()
-    return [index[a:b].tobytes() for a, b in zip(cuts[:-1], cuts[1:])]
+def shares_asked(groups: RunGroups) -> List[bytes]:
+    """Each rank's answer: the stretches of its specs it sends, as (first, count) int64 pairs, its
+    share of each of its runs (`RunGroups.led`). Every holder of a run sends a part of it, not the
+    first alone: `gather_object` pads every message to the largest, and the first replica of each
+    model-parallel rank would send all its weights' specs."""
+    first, count = groups.shares
+    sent = np.flatnonzero(count)
+    pairs = np.column_stack([groups.start[sent] + first[sent], count[sent]]).astype(np.int64)
+    cuts = np.searchsorted(groups.rank[sent], np.arange(groups.world + 1)).tolist()
+    return [pairs[a:b].tobytes() for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-def runs_asked(answer: bytes) -> List[int]:
-    return np.frombuffer(answer, dtype=np.int32).tolist()
+def stretches_asked(answer: bytes) -> List[Tuple[int, int]]:
+    """`shares_asked`'s answer to one rank: (first, count) pairs of positions in its specs."""
+    return [(a, n) for a, n in np.frombuffer(answer, dtype=np.int64).reshape(-1, 2).tolist()]
 
 
 @dataclass
 class PlanRequest:
     """What one rank tells the coordinator when some rank's cached plan is stale, after its runs:
-    the specs of the runs asked for (`packed_specs`, one after the other), its aliases and objects,
-    and its `Structure.casts`."""
+    the specs asked for (`packed_specs`, its shares of its runs), its aliases and objects, and its
+    `Structure.casts`."""
     specs: bytes
     aliases: Dict[str, str]
     objects: List[str]
