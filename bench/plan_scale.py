@@ -13,8 +13,8 @@ Reported: the global save plan (what the coordinator does), the metadata's size,
 encode it (the commit, on one rank) and to decode it (every rank, once per load), beside the same
 for format version 1's encoding; a rank's own load plan on the decoded metadata plus the global
 read-once assignment (what every rank does on load); peak memory; the bytes of the
-coordinator's collectives (`collectives`) and of a load's all-gathers, with their unpickling
-(`load_exchange`). Checksums are random, as real ones are (a zero packs
+coordinator's collectives (`collectives`) and of a load's all-gathers, with the time to join
+what they deliver (`load_exchange`). Checksums are random, as real ones are (a zero packs
 smaller).
 
 Run: .venv/bin/python bench/plan_scale.py [--layout llama70b|dsv3|kimik2] [--world N]
@@ -35,8 +35,10 @@ import tracemalloc
 from typing import Tuple
 
 import numpy as np
+import torch
 
 from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
+from ckpt_plugins._src import packing
 from ckpt_plugins._src.fragment import flat_views
 from ckpt_plugins._src.gcpause import gc_paused
 from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request
@@ -195,73 +197,101 @@ def version_1(metadata) -> bytes:
     return json.dumps({"format": "ckpt_plugins", "version": 1, **body}, separators=(",", ":")).encode()
 
 
-def plan_requests(gathered, rank_runs) -> Tuple[list, list, list]:
-    """What the coordinator gathers and answers for a new save plan, pickled as the collectives
-    pickle it: the ranks' run digests, its answers (`shares_asked`), then each distinct run's specs
-    in shares from its holders (`plan_cache`)."""
-    digests = [pickle.dumps(runs_message(runs)) for runs in rank_runs]
-    asked = shares_asked(joined_runs([pickle.loads(b) for b in digests]))
-    return digests, [pickle.dumps(a) for a in asked], [
-        pickle.dumps(_request(Structure(specs, {}, []), stretches_asked(a)).packed())
-        for specs, a in zip(gathered, asked)]
+def plan_requests(gathered, rank_runs) -> Tuple[bytearray, list, bytearray]:
+    """What the coordinator gathers and answers for a new save plan, as the collectives deliver it
+    (`Coordinator.gather_bytes`, `scatter`): the ranks' run digests, its answers (`shares_asked`),
+    then each distinct run's specs in shares from its holders (`plan_cache`)."""
+    digests = [runs_message(runs) for runs in rank_runs]
+    asked = shares_asked(joined_runs(delivered(digests, "run digests")))
+    return packing.gathered(digests), [pickle.dumps(a) for a in asked], packing.gathered(
+        [_request(Structure(specs, {}, []), stretches_asked(a)).packed() for specs, a in zip(gathered, asked)])
 
 
-def joined_requests(digests, requests) -> Tuple[PlanRequests, RunGroups]:
+def delivered(blobs, what: str) -> packing.Joined:
+    return packing.Joined.gathered(packing.gathered(blobs), len(blobs), what)
+
+
+def joined_requests(digests: bytearray, requests: bytearray, world: int) -> Tuple[PlanRequests, RunGroups]:
     """What the coordinator makes of what it gathers: the runs grouped, its answer to each rank
-    (`shares_asked`), the requests joined: `plan_save`'s input."""
-    groups = joined_runs([pickle.loads(b) for b in digests])
-    shares_asked(groups)
-    return PlanRequests.of([pickle.loads(b) for b in requests]), groups
+    (`shares_asked`, packed as `scatter` sends it), the requests joined: `plan_save`'s input."""
+    groups = joined_runs(packing.Joined.gathered(digests, world, "run digests"))
+    packing.gathered([pickle.dumps(a) for a in shares_asked(groups)])
+    return PlanRequests.of(packing.Joined.gathered(requests, world, "a plan request")), groups
+
+
+def sizes(buffer: bytearray, world: int) -> int:
+    """The bytes the ranks sent into a gathered buffer (`len(buffer)`: what it moved, padded)."""
+    return int(packing.unframed(buffer, world)[1].sum())
 
 
 def collectives(gathered, rank_runs, plan, digests, answers, requests) -> dict:
-    """What the coordinator receives and sends, pickled as the collectives pickle them:
-    `plan_requests` received (their sum, and as `gather_object` pads every message to the largest),
-    beside the gather of every rank's whole spec list it replaces; its answers and the plan's
-    replies, with the time to make the replies; the commit's gather of each rank's checksums and
-    file sizes."""
+    """What the coordinator receives and sends: `plan_requests` received (their sum, and padded to
+    the largest as gathered), beside the gather of every rank's whole spec list it replaces (as
+    pickled); its answers and the plan's replies, with the time to make and pack the replies; the
+    commit's gather of each rank's checksums and file sizes (pickled)."""
+    world = len(gathered)
     t0 = time.perf_counter()
-    replies = [pickle.dumps(PlanReply(None, plan.packed(rank), [], plan.balance, plan.chunk_bytes))
-               for rank in range(len(gathered))]
+    replies = packing.gathered([pickle.dumps(PlanReply(None, plan.packed(rank), [], plan.balance, plan.chunk_bytes))
+                                for rank in range(world)])
     t_send = time.perf_counter() - t0
-    flat, reply, commit = 0, sum(map(len, replies)) + sum(map(len, answers)), 0
+    flat, reply, commit = 0, sizes(replies, world) + sum(map(len, answers)), 0
     del replies
     for rank, (specs, runs) in enumerate(zip(gathered, rank_runs)):
         flat += len(pickle.dumps((Structure(specs, {}, []), runs)))
-        sizes = {f: plan.metadata.files[f] for f in data_file_names(rank, FILES_PER_RANK) if f in plan.metadata.files}
-        commit += len(pickle.dumps(WriteReport(None, [e.crc32c for e in plan.stored[rank]], {}, sizes)))
-    padded = len(gathered) * (max(map(len, digests)) + max(map(len, requests)))  # as gather_object pads them
-    return dict(gather_flat_mb=flat / 2**20, gather_mb=(sum(map(len, digests)) + sum(map(len, requests))) / 2**20,
-                gather_padded_mb=padded / 2**20,
+        files = {f: plan.metadata.files[f] for f in data_file_names(rank, FILES_PER_RANK) if f in plan.metadata.files}
+        commit += len(pickle.dumps(WriteReport(None, [e.crc32c for e in plan.stored[rank]], {}, files)))
+    return dict(gather_flat_mb=flat / 2**20, gather_mb=(sizes(digests, world) + sizes(requests, world)) / 2**20,
+                gather_padded_mb=(len(digests) + len(requests)) / 2**20,
                 send_mb=reply / 2**20, t_send=t_send, commit_mb=commit / 2**20)
+
+
+def torch_receiving(blobs) -> float:
+    """A rank's time to take apart what `torch.distributed.all_gather_object` delivers of `blobs`
+    (each pickled), after the collective, as torch's own code does: a tensor view per rank for
+    the sizes and for the data, then each rank's object rebuilt (`_tensor_to_object`)."""
+    from torch.distributed.distributed_c10d import _tensor_to_object
+    pickled = [pickle.dumps(b) for b in blobs]
+    longest = max(map(len, pickled))
+    sizes, data = torch.tensor([len(p) for p in pickled]), torch.zeros(longest * len(blobs), dtype=torch.uint8)
+    for i, p in enumerate(pickled):
+        data[i * longest:i * longest + len(p)] = torch.frombuffer(bytearray(p), dtype=torch.uint8)
+    t0 = time.perf_counter()
+    size_views = [sizes[i].unsqueeze(dim=0) for i in range(len(blobs))]
+    int(max(size_views).item())
+    views = [data[longest * i:longest * (i + 1)] for i in range(len(blobs))]
+    [_tensor_to_object(v.type(torch.uint8), n, None) for v, n in zip(views, size_views)]
+    return time.perf_counter() - t0
 
 
 @gc_paused  # as a load is (`loading.load`): its many small objects would have collections scan this heap
 def load_exchange(requests, wanted, led) -> Tuple[RankReads, RunGroups, dict]:
-    """What a load's ranks all-gather before the read-once assignment, as the agreement pickles
-    it, and a rank's time to unpickle and join it: first every rank's `LoadRequest` (its request
-    runs, and the runs of the stored keys it uses: `wanted`, its specs' here), then each its
-    `LedRequests` (its share of the requests and keys of its runs), both `packed`; beside every
-    rank's whole requests, which the second replaces, and what `all_gather_object` moves of the
-    second: every message padded to the largest. Returns the assignment's
-    input: the joined requests and every rank's runs, grouped."""
-    first = [LoadRequest(wanted=w, key_runs=k, runs=r, host=f"host-{rank // 8}", path="ckpt")
+    """What a load's ranks all-gather before the read-once assignment, as the collective delivers
+    it (`Coordinator.all_gather_bytes`: every message padded to the largest, in one buffer), and a
+    rank's time to join it: first every rank's `LoadRequest` (its request runs, and the runs of
+    the stored keys it uses: `wanted`, its specs' here), then each its `LedRequests` (its share of
+    the requests and keys of its runs), both `packed`; beside every rank's whole requests, which
+    the second replaces. Returns the assignment's input: the joined requests and every rank's
+    runs, grouped."""
+    world = len(requests)
+    blobs = [LoadRequest(wanted=w, key_runs=k, runs=r, host=f"host-{rank // 8}", path="ckpt").packed()
              for rank, ((w, k), (_, r)) in enumerate(zip(wanted, requests))]
-    blobs = [pickle.dumps((None, r.packed())) for r in first]
+    t_torch = torch_receiving(blobs)
+    first = packing.gathered(blobs)
     t0 = time.perf_counter()
-    every = LoadRequests.of([pickle.loads(b)[1] for b in blobs])
+    every = LoadRequests.of(packing.Joined.gathered(first, world, "a load request"))
     t_first = time.perf_counter() - t0
-    first_mb = sum(map(len, blobs)) / 2**20
-    flat = sum(len(pickle.dumps(reads.packed())) for reads, _ in requests)
-    blobs = [pickle.dumps((None, LedRequests(w[0][every.key_runs.led(rank)], r).packed()))
-             for rank, (w, r) in enumerate(zip(wanted, led(every.runs)))]
+    flat = sum(len(reads.packed()) for reads, _ in requests)
+    blobs = [LedRequests(w[0][every.key_runs.led(rank)], r).packed() for rank, (w, r) in enumerate(zip(wanted, led(every.runs)))]
+    t_torch += torch_receiving(blobs)
+    second = packing.gathered(blobs)
+    del blobs
     t0 = time.perf_counter()
-    joined = LedRequests.of([pickle.loads(b)[1] for b in blobs], every)
+    joined = LedRequests.of(packing.Joined.gathered(second, world, "read requests"), every)
     t_second = time.perf_counter() - t0
-    return joined.reads, every.runs, dict(load_request_mb=first_mb, t_load_request=t_first,
-                                          load_gather_mb=sum(map(len, blobs)) / 2**20, load_flat_mb=flat / 2**20,
-                                          load_padded_mb=len(blobs) * max(map(len, blobs)) / 2**20,
-                                          t_load_unpickle=t_second)
+    return joined.reads, every.runs, dict(load_request_mb=sizes(first, world) / 2**20, t_load_request=t_first,
+                                          load_gather_mb=sizes(second, world) / 2**20, load_flat_mb=flat / 2**20,
+                                          load_padded_mb=len(second) / 2**20, t_load_join=t_second,
+                                          t_load_torch=t_torch)
 
 
 def run(layout, world: int) -> dict:
@@ -314,7 +344,7 @@ def run(layout, world: int) -> dict:
 
     stage("save plan")
     t0 = time.perf_counter()
-    joined, groups = joined_requests(sent[0], sent[2])
+    joined, groups = joined_requests(sent[0], sent[2], world)
     t_gather = time.perf_counter() - t0
     t0 = time.perf_counter()
     plan = save_plan(joined, groups)
@@ -405,28 +435,29 @@ def main() -> None:
                   f"{r['t_encode_v1']:>11.2f} {r['t_parse_v1']:>11.2f}", flush=True)
             if world == worlds[-1]:
                 ok = (r["t_save"] + r["t_gather"] < save_s
-                      and r["t_load"] + r["t_load_request"] + r["t_load_unpickle"] < load_s
+                      and r["t_load"] + r["t_load_request"] + r["t_load_join"] < load_s
                       and r["t_parse"] < DECODE_S
                       and r["peak_mb"] < peak_mb and r["meta_mb"] < (meta_mb or math.inf))
-                print(f"       targets (each plan with its gather's unpickling): {'met' if ok else 'MISSED'}")
-        print(f"the coordinator's collectives, MB as pickled (s at {LINK_GBS:g} GB/s), and its unpickling and joining of the gathered specs:")
-        print(f"{'ranks':>6} {'plan gather MB':>14} {'s':>5} {'padded MB':>9} {'s':>5} {'flat gather MB':>14} {'s':>5} {'unpickle s':>10} "
+                print(f"       targets (each plan with the joining of its gathers): {'met' if ok else 'MISSED'}")
+        print(f"the coordinator's collectives, MB as sent (s at {LINK_GBS:g} GB/s), and its joining of the gathered specs:")
+        print(f"{'ranks':>6} {'plan gather MB':>14} {'s':>5} {'padded MB':>9} {'s':>5} {'flat gather MB':>14} {'s':>5} {'join s':>10} "
               f"{'plan send MB':>12} {'s':>5} {'making s':>8} {'commit gather MB':>16} {'s':>5}")
         for r in rows:
             print(f"{r['world']:>6} {r['gather_mb']:>14,.0f} {link_s(r['gather_mb']):>5.2f} {r['gather_padded_mb']:>9,.0f} "
                   f"{link_s(r['gather_padded_mb']):>5.2f} {r['gather_flat_mb']:>14,.0f} "
                   f"{link_s(r['gather_flat_mb']):>5.2f} {r['t_gather']:>10.2f} {r['send_mb']:>12,.0f} "
                   f"{link_s(r['send_mb']):>5.2f} {r['t_send']:>8.2f} {r['commit_mb']:>16,.0f} {link_s(r['commit_mb']):>5.2f}")
-        print("a load's two all-gathers before the read-once assignment (every rank's request, then its led "
-              f"reads: their sum, and padded as all_gather_object pads them), MB each rank receives as pickled "
-              f"(s at {LINK_GBS:g} GB/s), and its unpickling:")
-        print(f"{'ranks':>6} {'request MB':>10} {'s':>5} {'unpickle s':>10} {'reads MB':>8} {'s':>5} "
-              f"{'padded MB':>9} {'s':>5} {'flat reads MB':>13} {'s':>5} {'unpickle s':>10}")
+        print("a load's two all-gathers before the read-once assignment (every rank's request, then its share of "
+              f"the reads: their sum, and padded to the largest as gathered), MB each rank receives "
+              f"(s at {LINK_GBS:g} GB/s), and its joining (torch s: taking both apart as all_gather_object does, "
+              f"before any joining):")
+        print(f"{'ranks':>6} {'request MB':>10} {'s':>5} {'join s':>10} {'reads MB':>8} {'s':>5} "
+              f"{'padded MB':>9} {'s':>5} {'flat reads MB':>13} {'s':>5} {'join s':>10} {'torch s':>8}")
         for r in rows:
             print(f"{r['world']:>6} {r['load_request_mb']:>10,.0f} {link_s(r['load_request_mb']):>5.2f} "
                   f"{r['t_load_request']:>10.2f} {r['load_gather_mb']:>8,.0f} {link_s(r['load_gather_mb']):>5.2f} "
                   f"{r['load_padded_mb']:>9,.0f} {link_s(r['load_padded_mb']):>5.2f} "
-                  f"{r['load_flat_mb']:>13,.0f} {link_s(r['load_flat_mb']):>5.2f} {r['t_load_unpickle']:>10.2f}")
+                  f"{r['load_flat_mb']:>13,.0f} {link_s(r['load_flat_mb']):>5.2f} {r['t_load_join']:>10.2f} {r['t_load_torch']:>8.2f}")
     print(f"process max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
 
 

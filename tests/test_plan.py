@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from ckpt_plugins._src.errors import LoadMismatchError
+from ckpt_plugins._src.packing import Joined, gathered
 from ckpt_plugins._src.plan import TensorSpec, plan_load
 from ckpt_plugins._src.plan_cache import Structure, _request
 from ckpt_plugins._src.runs import run_groups
@@ -15,15 +16,20 @@ def spec(key, shape, offsets=None, lengths=None, dtype="float32"):
     return TensorSpec(key, shape, dtype, offsets or (0,) * len(shape), lengths or shape)
 
 
+def delivered(blobs, what="messages"):
+    """`blobs` as a gather delivers them to the coordinator or every rank (`Coordinator.gather_bytes`)."""
+    return Joined.gathered(gathered(blobs), len(blobs), what)
+
+
 def planned(ranks, files_per_rank=1, digests=None, **kwargs):
     """`plan_save` of every rank's spec list; with their runs (`digests`), from what the
     coordinator gathers: each distinct run's specs once, in shares from its holders."""
     if digests is None:
         return plan_save(SpecTable.of(ranks), run_groups(None, [len(r) for r in ranks]), files_per_rank, **kwargs)
-    groups = joined_runs([runs_message(r) for r in digests])
+    groups = joined_runs(delivered([runs_message(r) for r in digests]))
     sent = [_request(Structure(specs, {}, []), stretches_asked(a)).packed()
             for specs, a in zip(ranks, shares_asked(groups))]
-    return plan_save(PlanRequests.of(sent).specs, groups, files_per_rank, **kwargs)
+    return plan_save(PlanRequests.of(delivered(sent)).specs, groups, files_per_rank, **kwargs)
 
 
 def test_replicated_boxes_are_written_once_and_balanced():
@@ -47,7 +53,7 @@ def test_runs_replicas_hold_alike_are_planned_once_with_the_same_plan():
     runs = [spec_runs(r) for r in ranks]
     assert [n for _, n in runs[0]] == [5, 2] and len({r[0] for r in runs}) == 1 and len({r[1] for r in runs}) == 4
     # what the coordinator gathers: each distinct run's specs once, the weights' in shares over the replicas
-    asked = [stretches_asked(a) for a in shares_asked(joined_runs([runs_message(r) for r in runs]))]
+    asked = [stretches_asked(a) for a in shares_asked(joined_runs(delivered([runs_message(r) for r in runs])))]
     assert asked == [[(0, 1), (5, 2)], [(1, 1), (5, 2)], [(2, 1), (5, 2)], [(3, 2), (5, 3)]]
     by_runs, by_specs = planned(ranks, 2, digests=runs), planned(ranks, 2)
     assert by_runs.metadata == by_specs.metadata and by_runs.writes == by_specs.writes
@@ -90,7 +96,6 @@ def test_requests_travel_as_bytes_and_join_as_they_were():
     host, missing keys; the keys several ranks use alike sent once."""
     import pickle
     from ckpt_plugins._src.load_request import LedRequests, LoadRequest, LoadRequests, key_runs
-    from ckpt_plugins._src.packing import Joined
     from ckpt_plugins._src.read_once import RankReads, ReadRequest as R
     from ckpt_plugins._src.runs import runs_of
     files = ["a", "b"]
@@ -116,7 +121,7 @@ def test_requests_travel_as_bytes_and_join_as_they_were():
     requests = [LoadRequest(np.array([r, 4], dtype=np.int32), key_runs(keys, np.array([r, 4])), [],
                             runs_of(["model/w"] * len(q), q), reads[r], f"host-{r // 2}", "ckpt") for r, q in enumerate(sent)]
     requests[1].missing, requests[3].missing, requests[2].host = ["x/\u00e9"], ["y", "x/\u00e9"], None
-    every = LoadRequests.of([r.packed() for r in requests])
+    every = LoadRequests.of(delivered([r.packed() for r in requests]))
     assert every.hosts == ["host-0", "host-0", None, "host-1"] and every.paths == ["ckpt"]
     assert every.missing == ["x/\u00e9", "y"] and sorted(every.used.tolist()) == [0, 1, 2, 3, 4, 4, 4, 4]
     assert [every.reads.request(i, files) for i in range(len(every.reads))] == [q for q in sent for q in q]
@@ -124,18 +129,18 @@ def test_requests_travel_as_bytes_and_join_as_they_were():
     requests[0].reads, requests[3].path = None, "other"  # one rank without its reads: none are used
     requests[2].wanted = np.array([1, 4], dtype=np.int32)  # alike to rank 1's: their holders share the sending
     requests[2].key_runs = key_runs(keys, requests[2].wanted)
-    every = LoadRequests.of([r.packed() for r in requests])
+    every = LoadRequests.of(delivered([r.packed() for r in requests]))
     assert every.reads is None and every.used is None and every.paths == ["ckpt", "other"]
     assert every.key_runs.group.tolist() == [0, 1, 2, 1, 2, 1, 3, 1] and every.key_runs.count.tolist() == [1] * 8
     led = [LedRequests.mine(r, reads[k], every, k) for k, r in enumerate(requests)]
     assert [m.keys.tolist() for m in led] == [[0], [], [1], [3, 4]] and [len(m.reads) for m in led] == [1, 0, 2, 2]
-    joined = LedRequests.of([m.packed() for m in led], every)
+    joined = LedRequests.of(delivered([m.packed() for m in led]), every)
     assert joined.keys.tolist() == [0, 1, 3, 4]
     assert [joined.reads.request(i, files) for i in range(len(joined.reads))] == [q for q in sent for q in q]
     with pytest.raises(ValueError, match="rank 3 sent 0 bytes, short of the 8 bytes of its 2 key indices"):
-        LedRequests.of([m.packed() for m in led[:3]] + [b""], every)
+        LedRequests.of(delivered([m.packed() for m in led[:3]] + [b""]), every)
     with pytest.raises(ValueError, match="rank 1 sent 176 bytes that do not hold its load request"):
-        LoadRequests.of([requests[0].packed(), requests[1].packed()[:-8]])
+        LoadRequests.of(delivered([requests[0].packed(), requests[1].packed()[:-8]]))
 
 
 def test_offsets_are_fixed_and_disjoint_within_each_file():
@@ -168,7 +173,6 @@ def test_specs_travel_as_columns_and_plan_as_they_were(monkeypatch):
     that does not hold them is named; keys whose digests clash are refused, and boxes and runs
     whose 64-bit hashes clash are still told apart."""
     from ckpt_plugins._src import runs, spec_table
-    from ckpt_plugins._src.packing import Joined
     from ckpt_plugins._src.save_request import PlanRequest
     ranks = [[spec("model/é", (6, 5, 4), (2 * r, 0, 0), (2, 5, 4), dtype="bfloat16"), spec("b", (3,)),
               spec("s", ())] for r in range(3)] + [[]]
@@ -178,7 +182,7 @@ def test_specs_travel_as_columns_and_plan_as_they_were(monkeypatch):
     assert table.lengths[2].tolist() == [1, 1, 1] and table.ndim.tolist()[:3] == [3, 1, 0]
     sent = [PlanRequest(spec_table.packed_specs(r), {"a": "b"} if i == 1 else {}, ["x"] * i, i != 3).packed()
             for i, r in enumerate(ranks)]
-    joined = PlanRequests.of(sent)
+    joined = PlanRequests.of(delivered(sent))
     assert joined.aliases == {"a": "b"} and joined.objects == [[], ["x"], ["x", "x"], ["x", "x", "x"]]
     assert not joined.casts and all(np.array_equal(getattr(joined.specs, c), getattr(table, c))
                                     for c in ("digest", "dtype", "ndim", "shape", "offsets", "lengths", "count"))
@@ -186,7 +190,7 @@ def test_specs_travel_as_columns_and_plan_as_they_were(monkeypatch):
         SpecTable.unpacked(Joined([sent[0], sent[1][:56]], "x"), np.array([32, len(sent[0]) + 32]), np.array([
             len(sent[0]) - 32, 24]))
     with pytest.raises(ValueError, match=r"rank 2 sent \d+ bytes that do not hold its plan request"):
-        PlanRequests.of(sent[:2] + [sent[2][:-8]])
+        PlanRequests.of(delivered(sent[:2] + [sent[2][:-8]]))
     plan = planned(ranks, 2)
     monkeypatch.setattr(runs, "_row_hash", lambda columns: np.zeros(len(columns), dtype=np.uint64))
     assert planned(ranks, 2).metadata == plan.metadata  # every box's and run's hash alike: told apart on their columns

@@ -10,6 +10,7 @@ failures, never checkpoint content.
 from __future__ import annotations
 
 import functools
+import pickle
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -18,8 +19,10 @@ import torch.distributed as dist
 
 from .errors import CheckpointError, PeerLost
 from .failure import RankFailure, collect, failure_error
+from .packing import frame_bytes, framed, gathered, unframed
 
 GRACE = timedelta(seconds=2)  # how long survivors wait for each other to say they are alive
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
 
 
 def _talks(method):
@@ -60,23 +63,50 @@ class Coordinator:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
 
     @_talks
+    def all_gather_bytes(self, data: Optional[bytes]) -> Optional[bytearray]:
+        """Every rank's `data`, unpickled, in one buffer (`packing.gathered`: a frame per rank,
+        each padded to the largest); None on every rank where some rank had none (`data` None:
+        it failed). An all-reduce, then an all-gather into one tensor: torch's object
+        collectives spend seconds per call at 100,000 ranks on a tensor and an unpickling per rank."""
+        if self.world_size == 1:
+            return None if data is None else gathered([data])
+        self.collectives += 1
+        longest, failed = self._longest(0 if data is None else len(data), data is None)
+        if failed:
+            return None
+        stride = frame_bytes(longest)
+        buffer = bytearray(stride * self.world_size)
+        _all_gather_single(torch.frombuffer(buffer, dtype=torch.uint8),
+                           torch.frombuffer(framed(data, stride), dtype=torch.uint8), group=self.group)
+        return buffer
+
     def all_gather(self, obj: Any) -> List[Any]:
         if self.world_size == 1:
             return [obj]
-        self.collectives += 1
-        out: List[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return _unpickled(self.all_gather_bytes(pickle.dumps(obj)), self.world_size)
 
     @_talks
+    def gather_bytes(self, data: bytes) -> Optional[bytearray]:
+        """Every rank's `data` on the coordinator, as `all_gather_bytes` gives it; None elsewhere."""
+        if self.world_size == 1:
+            return gathered([data])
+        self.collectives += 1
+        stride = frame_bytes(self._longest(len(data))[0])
+        mine = torch.frombuffer(framed(data, stride), dtype=torch.uint8)
+        if not self.is_coordinator:
+            dist.gather(mine, None, dst=self._root(), group=self.group)
+            return None
+        buffer = bytearray(stride * self.world_size)
+        parts = list(torch.frombuffer(buffer, dtype=torch.uint8).view(self.world_size, stride).unbind(0))
+        dist.gather(mine, parts, dst=self._root(), group=self.group)
+        return buffer
+
     def gather(self, obj: Any) -> Optional[List[Any]]:
         """Everyone's `obj` on the coordinator, None elsewhere."""
         if self.world_size == 1:
             return [obj]
-        self.collectives += 1
-        out: Optional[List[Any]] = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=self._root(), group=self.group)
-        return out
+        buffer = self.gather_bytes(pickle.dumps(obj))
+        return None if buffer is None else _unpickled(buffer, self.world_size)
 
     @_talks
     def scatter(self, objs: Optional[List[Any]]) -> Any:
@@ -84,9 +114,14 @@ class Coordinator:
         if self.world_size == 1:
             return objs[0]
         self.collectives += 1
-        out: List[Any] = [None]
-        dist.scatter_object_list(out, objs if self.is_coordinator else None, src=self._root(), group=self.group)
-        return out[0]
+        buffer = gathered([pickle.dumps(o) for o in objs]) if self.is_coordinator else None
+        stride = torch.tensor([len(buffer) // self.world_size if buffer is not None else 0], dtype=torch.int64)
+        dist.broadcast(stride, src=self._root(), group=self.group)
+        out = bytearray(int(stride.item()))
+        parts = (list(torch.frombuffer(buffer, dtype=torch.uint8).view(self.world_size, len(out)).unbind(0))
+                 if buffer is not None else None)
+        dist.scatter(torch.frombuffer(out, dtype=torch.uint8), parts, src=self._root(), group=self.group)
+        return _unpickled(out, 1)[0]
 
     @_talks
     def broadcast(self, obj: Any) -> Any:
@@ -104,9 +139,18 @@ class Coordinator:
         if self.world_size == 1:
             return [flag]
         self.collectives += 1
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(out, torch.tensor([flag], dtype=torch.int64), group=self.group)
-        return [int(t.item()) for t in out]
+        out = torch.empty(self.world_size, dtype=torch.int64)
+        _all_gather_single(out, torch.tensor([flag], dtype=torch.int64), group=self.group)
+        return out.tolist()
+
+    def _longest(self, nbytes: int, failed: bool = False) -> Tuple[int, bool]:
+        """The longest of every rank's messages, and whether some rank failed. An all-gather, not
+        an all-reduce: every rank hears at once from a rank that is gone (gloo's all-reduce
+        passes around a ring, where a rank waits on a neighbor that already gave up)."""
+        values = torch.empty(2 * self.world_size, dtype=torch.int64)
+        _all_gather_single(values, torch.tensor([nbytes, int(failed)], dtype=torch.int64), group=self.group)
+        longest, failed = values.view(-1, 2).max(dim=0).values.tolist()
+        return longest, bool(failed)
 
     @_talks
     def any_flags(self, flags: Sequence[int], meanwhile: Optional[Callable[[], None]] = None) -> List[int]:
@@ -135,6 +179,20 @@ class Coordinator:
         except Exception as exc:
             failure = RankFailure.of(self.rank, exc)
         return self.agree(failure, payload, what=what, then=then, default=default)
+
+    def agreed_bytes(self, fn: Callable[[], bytes], *, what: str, then: str = "",
+                     default=CheckpointError) -> bytearray:
+        """`agreed` for a message of plain bytes: every rank's `fn()` in one buffer, unpickled
+        (`all_gather_bytes`); if any rank raised, every rank raises naming them."""
+        failure, payload = None, None
+        try:
+            payload = fn()
+        except Exception as exc:
+            failure = RankFailure.of(self.rank, exc)
+        buffer = self.all_gather_bytes(payload)
+        if buffer is None:  # some rank failed: every rank learns which, and raises
+            self.agree(failure, what=what, then=then, default=default)
+        return buffer
 
     def agree(self, failure: Optional[RankFailure], payload: Any = None, *, what: str, then: str = "",
               default=CheckpointError) -> List[Any]:
@@ -212,3 +270,8 @@ def checkpoint_groups(process_group, timeout: timedelta) -> Tuple[Coordinator, C
               for _ in range(2))
     return Coordinator(fg), Coordinator(bg)
 
+
+def _unpickled(buffer: bytearray, ranks: int) -> List[Any]:
+    """Every rank's object in a gathered buffer (our own messages: plans, results, failures)."""
+    view = memoryview(buffer)
+    return [pickle.loads(view[a:a + n]) for a, n in zip(*(x.tolist() for x in unframed(buffer, ranks)))]

@@ -68,8 +68,8 @@ class LoadRequests:
     reads: Optional[RankReads]
 
     @classmethod
-    def of(cls, blobs: Sequence[bytes]) -> "LoadRequests":
-        joined = Joined(blobs, "a load request")
+    def of(cls, joined: Joined) -> "LoadRequests":
+        """Every rank's `packed` request, in `joined`."""
         runs, runs_k, wanted, missing, host, path, reads = joined.header(_FIELDS).T
         at = joined.start + 8 * _FIELDS  # each section's first byte, rank by rank
         counts, at = at, at + 8 * runs
@@ -115,8 +115,8 @@ class LedRequests:
         return aligned(self.keys.astype(np.int32).tobytes()) + self.reads.packed()
 
     @classmethod
-    def of(cls, blobs: Sequence[bytes], every: LoadRequests) -> "LedRequests":
-        joined = Joined(blobs, "read requests")
+    def of(cls, joined: Joined, every: LoadRequests) -> "LedRequests":
+        """Every rank's `packed` message, in `joined`."""
         keys = every.key_runs.led_counts()
         skip = padded(4 * keys)
         short = np.flatnonzero(joined.size < skip)

@@ -28,6 +28,7 @@ from .gcpause import gc_paused
 from .errors import CheckpointError, LoadMismatchError
 from .plan import LoadPlan, ReadItem, candidate_keys, plan_load, resolve_key, specs_of
 from .load_request import LedRequests, LoadRequest, LoadRequests, key_runs
+from .packing import Joined
 from .runs import RunGroups, runs_of
 from .read_once import RankReads, StoredItem, Transfer, assign_transfers, read_request
 from .results import LoadResult
@@ -85,10 +86,11 @@ class Load:
         planned = []
         t0 = time.time()
         try:
-            sent = coord.agreed(lambda: self._request(planned).packed(), what=self.what, then="Nothing was loaded")
+            sent = coord.agreed_bytes(lambda: self._request(planned).packed(), what=self.what,
+                                      then="Nothing was loaded")
         finally:  # every rank has read the metadata by now
             self.shared.release()
-        self.requests = requests = LoadRequests.of(sent)
+        self.requests = requests = LoadRequests.of(Joined.gathered(sent, coord.world_size, "a load request"))
         if len(requests.paths) > 1:  # every rank sees all of them: every rank raises this
             raise CheckpointError(f"{self.what} failed: the ranks of one load passed different paths "
                                   f"({', '.join(requests.paths)}); every rank must load the same checkpoint. "
@@ -97,8 +99,9 @@ class Load:
         if requests.reads is not None:
             self.led, keys = requests.reads.take(self.runs.leading()), requests.used
         else:
-            led = LedRequests.of(coord.agreed(lambda: LedRequests.mine(self.request, self.reads, requests, coord.rank)
-                                              .packed(), what=self.what, then="Nothing was loaded"), requests)
+            sent = coord.agreed_bytes(lambda: LedRequests.mine(self.request, self.reads, requests, coord.rank).packed(),
+                                      what=self.what, then="Nothing was loaded")
+            led = LedRequests.of(Joined.gathered(sent, coord.world_size, "read requests"), requests)
             self.led, keys = led.reads, led.keys
         recorder.add("agree", planned[0] if planned else t0, time.time())
         used = np.zeros(len(self.keys), dtype=bool)

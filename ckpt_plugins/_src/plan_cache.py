@@ -16,6 +16,7 @@ from .errors import SaveError
 from .failure import RankFailure, failure_error
 from .format import CHUNK_BYTES
 from .plan import TensorSpec
+from .packing import Joined
 from .save_plan import SavePlan, WriteItem, assign_objects, plan_save, spec_runs, writes_of
 from .save_request import PlanRequest, PlanRequests, joined_runs, runs_message, shares_asked, stretches_asked
 from .spec_table import packed_specs
@@ -92,21 +93,21 @@ class PlanCache:
             coord.agree(failure, what=what, then=then, default=SaveError)
         if not any_stale:
             return Agreed(self.cached, True, generation)
-        digests = coord.gather(runs_message(runs))
+        digests = coord.gather_bytes(runs_message(runs))
         groups, answers, error = None, None, None
         if coord.is_coordinator:
             try:
-                groups = joined_runs(digests)
+                groups = joined_runs(Joined.gathered(digests, coord.world_size, "run digests"))
                 answers = shares_asked(groups)
             except Exception as exc:  # every rank asked for nothing, then told
                 answers, error = [b""] * coord.world_size, exc
-        gathered = coord.gather(_request(structure, stretches_asked(coord.scatter(answers))).packed())
+        gathered = coord.gather_bytes(_request(structure, stretches_asked(coord.scatter(answers))).packed())
         plan, replies = None, None
         if coord.is_coordinator:
             try:
                 if error is not None:
                     raise error
-                requests = PlanRequests.of(gathered)
+                requests = PlanRequests.of(Joined.gathered(gathered, coord.world_size, "a plan request"))
                 plan = plan_save(requests.specs, groups, files_per_rank=self.files_per_rank,
                                  aliases=requests.aliases, casts=requests.casts)
                 objects = assign_objects(requests.objects)

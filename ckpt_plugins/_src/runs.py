@@ -86,9 +86,9 @@ class RunGroups:
     def shares(self) -> Tuple[np.ndarray, np.ndarray]:
         """Per span, the first of its run's items it sends and how many: each group's items dealt
         over its holders in equal parts, holder j of m items [j c / m, (j + 1) c / m). Not the
-        first holder's alone: `all_gather_object` and `gather_object` pad every message to the
-        largest, and at scale the first replica of each model-parallel rank would send all its
-        weights' specs and read requests."""
+        first holder's alone: a gather pads every rank's message to the largest
+        (`Coordinator.all_gather_bytes`), and at scale the first replica of each model-parallel
+        rank would send all its weights' specs and read requests."""
         order, bounds = self.holders
         j = np.empty(len(self.group), dtype=np.int64)
         j[order] = np.arange(len(order), dtype=np.int64) - bounds[self.group[order]]

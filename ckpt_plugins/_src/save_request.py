@@ -23,9 +23,8 @@ def runs_message(runs: Sequence[Run]) -> bytes:
     return aligned(np.int64(len(runs)).tobytes(), *packed_runs(runs))
 
 
-def joined_runs(blobs: Sequence[bytes]) -> RunGroups:
-    """Every rank's `runs_message`, grouped."""
-    joined = Joined(blobs, "run digests")
+def joined_runs(joined: Joined) -> RunGroups:
+    """Every rank's `runs_message` (in `joined`), grouped."""
     n = joined.header(1)[:, 0]
     counts = joined.start + 8
     wrong = np.flatnonzero((n < 0) | (counts + (8 + DIGEST_BYTES) * n != joined.start + joined.size))
@@ -37,8 +36,8 @@ def joined_runs(blobs: Sequence[bytes]) -> RunGroups:
 def shares_asked(groups: RunGroups) -> List[bytes]:
     """Each rank's answer: the stretches of its specs it sends, as (first, count) int64 pairs, its
     share of each of its runs (`RunGroups.led`). Every holder of a run sends a part of it, not the
-    first alone: `gather_object` pads every message to the largest, and the first replica of each
-    model-parallel rank would send all its weights' specs."""
+    first alone: a gather pads every rank's message to the largest (`Coordinator.gather_bytes`),
+    and the first replica of each model-parallel rank would send all its weights' specs."""
     first, count = groups.shares
     sent = np.flatnonzero(count)
     pairs = np.column_stack([groups.start[sent] + first[sent], count[sent]]).astype(np.int64)
@@ -78,8 +77,8 @@ class PlanRequests:
     casts: bool
 
     @classmethod
-    def of(cls, blobs: Sequence[bytes]) -> "PlanRequests":
-        joined = Joined(blobs, "a plan request")
+    def of(cls, joined: Joined) -> "PlanRequests":
+        """Every rank's `packed` request, in `joined`."""
         casts, aliases, objects, specs = joined.header(_FIELDS).T
         at = joined.start + 8 * _FIELDS
         aliased, at = at, at + padded(aliases)

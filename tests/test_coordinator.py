@@ -1,0 +1,47 @@
+"""The coordinator's collectives on real processes: messages of any length, none, or a failure."""
+import numpy as np
+import pytest
+
+from ckpt_plugins._src.coordinator import Coordinator
+from ckpt_plugins._src.errors import CheckpointError
+from ckpt_plugins._src.packing import Joined, gathered, unframed
+from distributed import run_ranks
+
+
+def test_a_gathered_buffer_holds_every_message_in_place_and_a_bad_frame_is_named():
+    blobs = [b"", b"12345678", b"x" * 16]
+    buffer = gathered(blobs)
+    assert len(buffer) == 3 * 24
+    joined = Joined.gathered(buffer, 3, "messages")
+    assert joined.buffer is buffer and joined.size.tolist() == [0, 8, 16]
+    assert [bytes(buffer[a:a + n]) for a, n in zip(joined.start, joined.size)] == blobs
+    buffer[24:32] = (17).to_bytes(8, "little")  # rank 1's frame claims more than it can hold
+    with pytest.raises(ValueError, match="rank 1's frame says 17 bytes, in 16"):
+        unframed(buffer, 3)
+    with pytest.raises(ValueError, match="a gathered buffer of 72 bytes does not hold 4 frames"):
+        unframed(buffer, 4)
+
+
+def _collectives(rank, world):
+    coord = Coordinator()
+    mine = bytes([rank]) * (5 * rank)  # rank 0 sends nothing
+    start, size = unframed(coord.all_gather_bytes(mine), world)
+    assert size.tolist() == [0, 5, 10]
+    assert coord.all_gather({"rank": rank, "pad": "y" * rank}) == [{"rank": r, "pad": "y" * r} for r in range(world)]
+    assert coord.gather(("r", rank)) == ([("r", r) for r in range(world)] if rank == 0 else None)
+    assert coord.scatter([np.arange(r * 100) for r in range(world)] if rank == 0 else None).tolist() == list(
+        range(rank * 100))
+    assert coord.all_flags(rank * 7) == [0, 7, 14]
+    assert coord.collectives == 5
+
+    def request():
+        if rank == 1:
+            raise ValueError("no plan on this rank")
+        return mine
+
+    with pytest.raises(CheckpointError, match="load of x failed: rank 1: ValueError: no plan on this rank. Nothing"):
+        coord.agreed_bytes(request, what="load of x", then="Nothing was loaded")
+
+
+def test_collectives_carry_messages_of_any_length_and_a_failure_reaches_every_rank():
+    run_ranks(3, _collectives)
