@@ -64,10 +64,11 @@ class Coordinator:
 
     @_talks
     def all_gather_bytes(self, data: Optional[bytes]) -> Optional[bytearray]:
-        """Every rank's `data`, unpickled, in one buffer (`packing.gathered`: a frame per rank,
+        """Every rank's `data`, not pickled, in one buffer (`packing.gathered`: a frame per rank,
         each padded to the largest); None on every rank where some rank had none (`data` None:
-        it failed). An all-reduce, then an all-gather into one tensor: torch's object
-        collectives spend seconds per call at 100,000 ranks on a tensor and an unpickling per rank."""
+        it failed). The lengths, then the frames, each one all-gather into one tensor: torch's
+        object collectives spend seconds per call at 100,000 ranks on a tensor view and an
+        unpickling per rank."""
         if self.world_size == 1:
             return None if data is None else gathered([data])
         self.collectives += 1
@@ -182,7 +183,7 @@ class Coordinator:
 
     def agreed_bytes(self, fn: Callable[[], bytes], *, what: str, then: str = "",
                      default=CheckpointError) -> bytearray:
-        """`agreed` for a message of plain bytes: every rank's `fn()` in one buffer, unpickled
+        """`agreed` for a message of plain bytes: every rank's `fn()` in one buffer, not pickled
         (`all_gather_bytes`); if any rank raised, every rank raises naming them."""
         failure, payload = None, None
         try:

@@ -39,8 +39,7 @@ def frame_bytes(longest: int) -> int:
 def framed(data: bytes, stride: int) -> bytearray:
     """`data` as one rank's frame of a gathered buffer: its length, it, zeros up to `stride` bytes."""
     out = bytearray(stride)
-    out[:FRAME] = len(data).to_bytes(FRAME, "little")
-    out[FRAME:FRAME + len(data)] = data
+    _frame(out, 0, data)
     return out
 
 
@@ -49,9 +48,13 @@ def gathered(blobs: Sequence[bytes]) -> bytearray:
     stride = frame_bytes(max(map(len, blobs), default=0))
     out = bytearray(stride * len(blobs))
     for at, data in zip(range(0, len(out), stride), blobs):
-        out[at:at + FRAME] = len(data).to_bytes(FRAME, "little")
-        out[at + FRAME:at + FRAME + len(data)] = data
+        _frame(out, at, data)
     return out
+
+
+def _frame(out: bytearray, at: int, data: bytes) -> None:
+    out[at:at + FRAME] = len(data).to_bytes(FRAME, "little")
+    out[at + FRAME:at + FRAME + len(data)] = data
 
 
 def unframed(buffer: bytearray, ranks: int) -> Tuple[np.ndarray, np.ndarray]:

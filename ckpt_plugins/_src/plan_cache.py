@@ -2,8 +2,8 @@
 costs one all-reduce of two flags (stale? failed?) instead of gathering specs and scattering a
 new plan. A new plan gathers each distinct run of specs once: the ranks send their runs'
 digests, and the holders of each run its specs in equal shares, as columns (`spec_table`:
-data-parallel replicas send their weights' specs once between them); each rank gets its writes back as columns
-too (`SavePlan.packed`)."""
+data-parallel replicas send their weights' specs once between them); each rank gets its writes
+back as columns too (`SavePlan.packed`)."""
 from __future__ import annotations
 
 import hashlib

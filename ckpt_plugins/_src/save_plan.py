@@ -286,7 +286,8 @@ class _Rows:
         wanted = runs.led_counts()
         wrong = np.flatnonzero(table.count != wanted)
         if len(wrong):
-            raise ValueError(f"rank {wrong[0]} sent {table.count[wrong[0]]} tensor specs for its share of {wanted[wrong[0]]}")
+            raise ValueError(f"rank {wrong[0]} sent {table.count[wrong[0]]} tensor specs for its share of "
+                             f"{wanted[wrong[0]]}")
         first, count = runs.shares
         span = np.repeat(np.arange(len(count)), count)
         index = first[span] + np.arange(len(span)) - np.repeat(np.cumsum(count) - count, count)
