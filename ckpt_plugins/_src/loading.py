@@ -154,7 +154,6 @@ class Load:
         def finished():
             recorder.record.info["checkpoint_bytes"] = metadata.total_bytes
             result.telemetry = recorder.finish()
-            return result.telemetry
 
         def run():
             result.read_bytes = self._read(plan, metadata, self.requests.hosts)
@@ -173,20 +172,24 @@ class Load:
             with recorder.phase("finish"):
                 for finish in self.items.finish[self.transforms:]:
                     finish()
-            return None if self.verify else finished()
+            if not self.verify:
+                finished()
 
         def compare():
             with recorder.phase("verify"):
                 result.verified_bytes = check_live(self.loaded, root_handler(self.state).save_items("").fragments,
                                                    coord.rank)
-            return finished()
+            finished()
 
         touched = self._touched(plan)
-        result.ranks = coord.agreed(run, what=self.what, then=f"On rank {coord.rank}, " + (
+        coord.agreed(run, what=self.what, then=f"On rank {coord.rank}, " + (
             f"these tensors may hold partly loaded data: {_shown(touched)}" if touched else "no tensor was written"))
         if self.verify:
-            result.ranks = coord.agreed(compare, what=f"verification of the {self.what}",
-                                        then="The live state differs from the checkpoint there: do not train on it")
+            coord.agreed(compare, what=f"verification of the {self.what}",
+                         then="The live state differs from the checkpoint there: do not train on it")
+        # every rank's record on the coordinating rank alone, as a save's: at 100,000 ranks each
+        # rank would otherwise receive and unpickle every rank's
+        result.ranks = coord.gather(result.telemetry) or [result.telemetry]
         result.collectives = coord.collectives - self.before
         return result
 

@@ -42,7 +42,7 @@ class LoadResult:
     source: str = ""  # where it came from: "storage" or "memory" (the memory tier)
     collectives: int = 0
     telemetry: Optional[RankTelemetry] = None  # this rank's phases
-    ranks: List[RankTelemetry] = field(default_factory=list)  # every rank's
+    ranks: List[RankTelemetry] = field(default_factory=list)  # every rank's, on the coordinating rank
 
 
 class SaveHandle:
