@@ -42,14 +42,14 @@ from ckpt_plugins._src import packing
 from ckpt_plugins._src.fragment import flat_views
 from ckpt_plugins._src.gcpause import gc_paused
 from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request
-from ckpt_plugins._src.load_request import LedRequests, LoadRequest, LoadRequests, key_runs
+from ckpt_plugins._src.load_request import ShareRequests, LoadRequest, LoadRequests, key_runs
 from ckpt_plugins._src.loading import stored_keys
 from ckpt_plugins._src.saving import WriteReport
 from ckpt_plugins._src.plan import TensorSpec, plan_load
 from ckpt_plugins._src.runs import RunGroups, runs_of
 from ckpt_plugins._src.save_plan import data_file_names, plan_save, spec_runs
 from ckpt_plugins._src.save_request import PlanRequests, joined_runs, runs_message, shares_asked, stretches_asked
-from ckpt_plugins._src.read_once import RankReads, assign_transfers, led_reads, read_request
+from ckpt_plugins._src.read_once import RankReads, assign_transfers, reads_share, read_request
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 8192, 28672, 80, 64, 8, 32000
 TP, PP = 8, 8
@@ -264,11 +264,11 @@ def torch_receiving(blobs) -> float:
 
 
 @gc_paused  # as a load is (`loading.load`): its many small objects would have collections scan this heap
-def load_exchange(requests, wanted, led) -> Tuple[RankReads, RunGroups, dict]:
+def load_exchange(requests, wanted, shares) -> Tuple[RankReads, RunGroups, dict]:
     """What a load's ranks all-gather before the read-once assignment, as the collective delivers
     it (`Coordinator.all_gather_bytes`: every message padded to the largest, in one buffer), and a
     rank's time to join it: first every rank's `LoadRequest` (its request runs, and the runs of
-    the stored keys it uses: `wanted`, its specs' here), then each its `LedRequests` (its share of
+    the stored keys it uses: `wanted`, its specs' here), then each its `ShareRequests` (its share of
     the requests and keys of its runs), both `packed`; beside every rank's whole requests, which
     the second replaces. Returns the assignment's input: the joined requests and every rank's
     runs, grouped."""
@@ -281,12 +281,12 @@ def load_exchange(requests, wanted, led) -> Tuple[RankReads, RunGroups, dict]:
     every = LoadRequests.of(packing.Joined.gathered(first, world, "a load request"))
     t_first = time.perf_counter() - t0
     flat = sum(len(reads.packed()) for reads, _ in requests)
-    blobs = [LedRequests(w[0][every.key_runs.led(rank)], r).packed() for rank, (w, r) in enumerate(zip(wanted, led(every.runs)))]
+    blobs = [ShareRequests(w[0][every.key_runs.share(rank)], r).packed() for rank, (w, r) in enumerate(zip(wanted, shares(every.runs)))]
     t_torch += torch_receiving(blobs)
     second = packing.gathered(blobs)
     del blobs
     t0 = time.perf_counter()
-    joined = LedRequests.of(packing.Joined.gathered(second, world, "read requests"), every)
+    joined = ShareRequests.of(packing.Joined.gathered(second, world, "read requests"), every)
     t_second = time.perf_counter() - t0
     return joined.reads, every.runs, dict(load_request_mb=sizes(first, world) / 2**20, t_load_request=t_first,
                                           load_gather_mb=sizes(second, world) / 2**20, load_flat_mb=flat / 2**20,
@@ -340,7 +340,7 @@ def run(layout, world: int) -> dict:
         return RankReads.joined([m[0] for m in mine]), [r for m in mine for r in m[1]]
 
     def load_plan(rank=None):  # the read-once assignment over what every rank sent (each rank runs it)
-        return assign_transfers(led, sent_runs, files, rank)
+        return assign_transfers(sent_reads, sent_runs, files, rank)
 
     stage("save plan")
     t0 = time.perf_counter()
@@ -385,8 +385,8 @@ def run(layout, world: int) -> dict:
     keys = stored_keys(decoded)
     index = {k: i for i, k in enumerate(keys)}
     wanted = {c: used(specs, keys, index) for c, specs in templates.items()}
-    led, sent_runs, exchange = load_exchange([requests[c] for c in coords], [wanted[c] for c in coords], lambda groups: (
-        led_reads(requests[c][0], groups, rank) for rank, c in enumerate(coords)))
+    sent_reads, sent_runs, exchange = load_exchange([requests[c] for c in coords], [wanted[c] for c in coords], lambda groups: (
+        reads_share(requests[c][0], groups, rank) for rank, c in enumerate(coords)))
     del keys, index, wanted
     stage("read-once assignment")
     t0 = time.perf_counter()

@@ -69,10 +69,10 @@ def test_run_groups_number_runs_as_first_met_and_check_they_cover_each_rank():
     order, bounds = groups.holders
     assert [order[x:y].tolist() for x, y in zip(bounds[:-1], bounds[1:])] == [[0, 3, 4, 6], [1, 5], [2]]
     # what each rank sends of its runs: an equal share of each (group 0's one item goes with its last holder)
-    assert [groups.led(r).tolist() for r in range(4)] == [[1], [], [0, 1, 2], [1, 2]]
-    sent = np.concatenate([groups.led(r) + (0, 3, 3, 8)[r] for r in range(4)])  # in the ranks' lists joined
-    assert groups.leading().tolist() == sent.tolist() == [1, 3, 4, 5, 9, 10]
-    assert groups.led_groups().tolist() == [1, 2, 2, 2, 1, 0]
+    assert [groups.share(r).tolist() for r in range(4)] == [[1], [], [0, 1, 2], [1, 2]]
+    sent = np.concatenate([groups.share(r) + (0, 3, 3, 8)[r] for r in range(4)])  # in the ranks' lists joined
+    assert groups.share_positions().tolist() == sent.tolist() == [1, 3, 4, 5, 9, 10]
+    assert groups.share_groups().tolist() == [1, 2, 2, 2, 1, 0]
     with pytest.raises(ValueError, match="rank 1's run digests cover 2 of 3 items"):
         run_groups([[Run(a, 3)], [Run(a, 2)]], [3, 3])
     with pytest.raises(ValueError, match="runs of one digest differ in length"):
@@ -91,11 +91,11 @@ def test_regions_travel_packed_and_come_back_as_they_were():
 
 def test_requests_travel_as_bytes_and_join_as_they_were():
     """Each rank's read requests and load request as bytes (`packed`), every rank's joined in one
-    pass (`RankReads.unpacked`, `LoadRequests.of`, `LedRequests.of`): the same requests in rank
+    pass (`RankReads.unpacked`, `LoadRequests.of`, `ShareRequests.of`): the same requests in rank
     order, whatever each rank's regions' width, however many it sent, with or without its reads,
     host, missing keys; the keys several ranks use alike sent once."""
     import pickle
-    from ckpt_plugins._src.load_request import LedRequests, LoadRequest, LoadRequests, key_runs
+    from ckpt_plugins._src.load_request import ShareRequests, LoadRequest, LoadRequests, key_runs
     from ckpt_plugins._src.read_once import RankReads, ReadRequest as R
     from ckpt_plugins._src.runs import runs_of
     files = ["a", "b"]
@@ -132,13 +132,13 @@ def test_requests_travel_as_bytes_and_join_as_they_were():
     every = LoadRequests.of(delivered([r.packed() for r in requests]))
     assert every.reads is None and every.used is None and every.paths == ["ckpt", "other"]
     assert every.key_runs.group.tolist() == [0, 1, 2, 1, 2, 1, 3, 1] and every.key_runs.count.tolist() == [1] * 8
-    led = [LedRequests.mine(r, reads[k], every, k) for k, r in enumerate(requests)]
-    assert [m.keys.tolist() for m in led] == [[0], [], [1], [3, 4]] and [len(m.reads) for m in led] == [1, 0, 2, 2]
-    joined = LedRequests.of(delivered([m.packed() for m in led]), every)
+    shares = [ShareRequests.mine(r, reads[k], every, k) for k, r in enumerate(requests)]
+    assert [m.keys.tolist() for m in shares] == [[0], [], [1], [3, 4]] and [len(m.reads) for m in shares] == [1, 0, 2, 2]
+    joined = ShareRequests.of(delivered([m.packed() for m in shares]), every)
     assert joined.keys.tolist() == [0, 1, 3, 4]
     assert [joined.reads.request(i, files) for i in range(len(joined.reads))] == [q for q in sent for q in q]
     with pytest.raises(ValueError, match="rank 3 sent 0 bytes, short of the 8 bytes of its 2 key indices"):
-        LedRequests.of(delivered([m.packed() for m in led[:3]] + [b""]), every)
+        ShareRequests.of(delivered([m.packed() for m in shares[:3]] + [b""]), every)
     with pytest.raises(ValueError, match="rank 1 sent 176 bytes that do not hold its load request"):
         LoadRequests.of(delivered([requests[0].packed(), requests[1].packed()[:-8]]))
 
@@ -243,13 +243,13 @@ def test_big_replicated_boxes_are_split_across_their_holders():
 
 def assign(requests, runs=None, *args, **kwargs):
     """The read-once assignment of each rank's list of `ReadRequest`s; with their `runs_of`, as a
-    load exchanges them (each rank sends its `led_reads`)."""
-    from ckpt_plugins._src.read_once import RankReads, assign_transfers, led_reads
+    load exchanges them (each rank sends its `reads_share`)."""
+    from ckpt_plugins._src.read_once import RankReads, assign_transfers, reads_share
     from ckpt_plugins._src.runs import run_groups
     files = sorted({r.file for reqs in requests for r in reqs})
     reads = [RankReads.of(r, {f: i for i, f in enumerate(files)}) for r in requests]
     groups = run_groups(runs, [len(r) for r in reads])
-    reads = RankReads.joined([led_reads(r, groups, rank) for rank, r in enumerate(reads)])
+    reads = RankReads.joined([reads_share(r, groups, rank) for rank, r in enumerate(reads)])
     return assign_transfers(reads, groups, files, *args, **kwargs)
 
 
@@ -292,10 +292,10 @@ def test_read_once_assignment_by_runs_is_the_assignment_by_ranks():
     runs = [runs_of(keys, r) for r in reqs]
     assert len({r[0] for r in runs}) == 1 and len({r[1] for r in runs}) == 4
     by_runs, by_ranks = assign(reqs, runs), assign(reqs)
-    from ckpt_plugins._src.read_once import RankReads, led_reads
+    from ckpt_plugins._src.read_once import RankReads, reads_share
     from ckpt_plugins._src.runs import run_groups
     groups, files = run_groups(runs), {"o": 0, "w": 1}
-    sent = [led_reads(RankReads.of(q, files), groups, r) for r, q in enumerate(reqs)]
+    sent = [reads_share(RankReads.of(q, files), groups, r) for r, q in enumerate(reqs)]
     assert [len(s) for s in sent] == [2, 3, 3, 3]  # the weights' requests come from the replicas, a third each
     assert [sent[r].request(i, list(files)) for r in range(4) for i in range(len(sent[r]))] == \
         reqs[0][3:] + [q for r in range(1, 4) for q in [reqs[r][r - 1]] + reqs[r][3:]]

@@ -254,7 +254,7 @@ def replicated_worker(rank, world, path):
     read = [None] * world
     dist.all_gather_object(read, [r.read_bytes for r in results])
     assert [sum(r[i] for r in read) for i in range(2)] == [info.total_bytes] * 2  # each byte read once
-    assert results[1].collectives == results[0].collectives + 1  # the runs, then what each rank leads
+    assert results[1].collectives == results[0].collectives + 1  # the runs, then each rank's share of the reads
     part = nn.Module()  # ranks 0 and 2 load the same layers (their keys sent once), 1 and 3 others, all
     for i in range(24):  # layer 4's: the keys no rank uses are left over
         if i % 6 in (rank % 2, 4):

@@ -1,7 +1,7 @@
 """What one rank tells the others before a load's data moves (`LoadRequest`), and in a second
-message where the job is too big to send its reads at once (`LedRequests`: what it sends for the
-ranks alike to it); each sent as plain bytes, every rank's joined on every rank in one pass on
-arrays (`LoadRequests`, `LedRequests.of`): see `packing`.
+message where the job is too big to send its reads at once (`ShareRequests`: its share of what
+the ranks alike to it hold); each sent as plain bytes, every rank's joined on every rank in one pass on
+arrays (`LoadRequests`, `ShareRequests.of`): see `packing`.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .packing import Joined, aligned, padded, spans
-from .read_once import RankReads, led_reads
+from .read_once import RankReads, reads_share
 from .runs import DIGEST_BYTES, Run, RunGroups, packed_runs, runs_of
 
 _FIELDS = 7  # the header: runs, key runs, wanted keys, bytes of missing keys, host, path, reads (-1: none)
@@ -26,7 +26,7 @@ class LoadRequest:
     is small enough to send them at once (`loading.INLINE_READS`); its host (ranks of one host
     exchange through shared memory); the checkpoint it loads (the same on every rank). The keys
     it uses go with its reads; without them, only their runs: replicas use the same model keys,
-    which the first of them sends, in `LedRequests`. The key runs go in either case: one rank
+    which they send in shares, in `ShareRequests`. The key runs go in either case: one rank
     with too many reads to send at once sends every rank down that path."""
     wanted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     key_runs: List[Run] = field(default_factory=list)
@@ -57,7 +57,7 @@ def key_runs(keys: Sequence[str], wanted: np.ndarray) -> List[Run]:
 class LoadRequests:
     """Every rank's `LoadRequest`, joined: their runs and key runs grouped; where every rank sent
     its reads, every key some rank uses (`used`: indices, repeated) and every rank's read requests
-    one rank after the other (else both None: see `LedRequests`); every key some rank misses,
+    one rank after the other (else both None: see `ShareRequests`); every key some rank misses,
     each rank's host, the distinct paths."""
     runs: RunGroups
     key_runs: RunGroups
@@ -98,30 +98,30 @@ class LoadRequests:
 
 
 @dataclass
-class LedRequests:
+class ShareRequests:
     """What one rank sends in a load's second all-gather, where the first did not hold its reads
-    (`LoadRequests.reads` None): its share of the keys in its key runs (`RunGroups.led`), and its
-    `led_reads`. Joined (`of`): every key some rank uses (indices, repeated), and every rank's
-    led reads one rank after the other."""
+    (`LoadRequests.reads` None): its share of the keys in its key runs (`RunGroups.share`), and its
+    `reads_share`. Joined (`of`): every key some rank uses (indices, repeated), and every rank's
+    shares of the reads one rank after the other."""
     keys: np.ndarray
     reads: RankReads
 
     @classmethod
-    def mine(cls, request: LoadRequest, reads: RankReads, every: LoadRequests, rank: int) -> "LedRequests":
+    def mine(cls, request: LoadRequest, reads: RankReads, every: LoadRequests, rank: int) -> "ShareRequests":
         """`rank`'s, whose `request` and read requests `reads` every rank's joined in `every`."""
-        return cls(request.wanted[every.key_runs.led(rank)], led_reads(reads, every.runs, rank))
+        return cls(request.wanted[every.key_runs.share(rank)], reads_share(reads, every.runs, rank))
 
     def packed(self) -> bytes:
         return aligned(self.keys.astype(np.int32).tobytes()) + self.reads.packed()
 
     @classmethod
-    def of(cls, joined: Joined, every: LoadRequests) -> "LedRequests":
+    def of(cls, joined: Joined, every: LoadRequests) -> "ShareRequests":
         """Every rank's `packed` message, in `joined`."""
-        keys = every.key_runs.led_counts()
+        keys = every.key_runs.share_counts()
         skip = padded(4 * keys)
         short = np.flatnonzero(joined.size < skip)
         if len(short):
             raise ValueError(f"rank {short[0]} sent {joined.size[short[0]]} bytes, short of the {skip[short[0]]} bytes "
                              f"of its {keys[short[0]]} key indices")
-        reads = RankReads.unpacked(joined, joined.start + skip, joined.size - skip, every.runs.led_counts())
+        reads = RankReads.unpacked(joined, joined.start + skip, joined.size - skip, every.runs.share_counts())
         return cls(joined.words[spans(joined.start // 4, keys)], reads)

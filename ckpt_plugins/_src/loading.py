@@ -27,7 +27,7 @@ from .fragment import Fragment
 from .gcpause import gc_paused
 from .errors import CheckpointError, LoadMismatchError
 from .plan import LoadPlan, ReadItem, candidate_keys, plan_load, resolve_key, specs_of
-from .load_request import LedRequests, LoadRequest, LoadRequests, key_runs
+from .load_request import ShareRequests, LoadRequest, LoadRequests, key_runs
 from .packing import Joined
 from .runs import RunGroups, runs_of
 from .read_once import RankReads, StoredItem, Transfer, assign_transfers, read_request
@@ -62,7 +62,7 @@ class Load:
         self.keys: List[str] = []  # its stored keys, which `LoadRequest.wanted` indexes
         self.reads = RankReads.of([], {})  # this rank's read requests, for the read-once assignment
         self.runs: Optional[RunGroups] = None  # every rank's request runs
-        self.led = self.reads  # every rank's `led_reads`, one after the other
+        self.sent_reads = self.reads  # every rank's `reads_share`, one after the other
         self.shared = HostMetadata(storage)
         self.recorder = Recorder("load", backend_of(storage), coord.rank, enabled=telemetry)
         self.recorder.record.info["path"] = str(storage)
@@ -97,12 +97,12 @@ class Load:
                                   "Nothing was loaded")
         self.runs = requests.runs
         if requests.reads is not None:
-            self.led, keys = requests.reads.take(self.runs.leading()), requests.used
+            self.sent_reads, keys = requests.reads.take(self.runs.share_positions()), requests.used
         else:
-            sent = coord.agreed_bytes(lambda: LedRequests.mine(self.request, self.reads, requests, coord.rank).packed(),
+            sent = coord.agreed_bytes(lambda: ShareRequests.mine(self.request, self.reads, requests, coord.rank).packed(),
                                       what=self.what, then="Nothing was loaded")
-            led = LedRequests.of(Joined.gathered(sent, coord.world_size, "read requests"), requests)
-            self.led, keys = led.reads, led.keys
+            shares = ShareRequests.of(Joined.gathered(sent, coord.world_size, "read requests"), requests)
+            self.sent_reads, keys = shares.reads, shares.keys
         recorder.add("agree", planned[0] if planned else t0, time.time())
         used = np.zeros(len(self.keys), dtype=bool)
         used[keys] = True
@@ -195,7 +195,7 @@ class Load:
 
     def _read(self, plan: LoadPlan, metadata, hosts: List[Optional[str]]) -> int:
         coord = self.coord
-        assignment = assign_transfers(self.led, self.runs, self.files, coord.rank, readers=self.storage.readers)
+        assignment = assign_transfers(self.sent_reads, self.runs, self.files, coord.rank, readers=self.storage.readers)
         shared = assignment.transfers
         mine = {StoredItem(r.stored.file, r.stored.offset) for r in plan.reads}
         reads = plan.reads + _passed_on(metadata, shared, mine, coord.rank)

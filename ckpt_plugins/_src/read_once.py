@@ -2,7 +2,7 @@
 several ranks read, which reads the union of their ranges and sends each its regions.
 
 Every rank makes it from every rank's read requests, each distinct run of them once (sent by its
-holders in equal shares: `led_reads`): at scale, millions (`bench/plan_scale.py`). A rank's
+holders in equal shares: `reads_share`): at scale, millions (`bench/plan_scale.py`). A rank's
 requests therefore travel as columns (`RankReads`), files by their index in the checkpoint's file
 table, and the pass that finds which items are shared runs on arrays; only the shared items, few
 beside the optimizer shards each rank reads alone, are handled one by one.
@@ -228,7 +228,7 @@ class _Groups:
 
 @dataclass
 class _Rows:
-    """Every group's requests, one row each, as the ranks sent them (each its `led_reads`, one
+    """Every group's requests, one row each, as the ranks sent them (each its `reads_share`, one
     rank after the other): a row's group and the request's columns (`file`: an index into the
     file table)."""
     group: np.ndarray
@@ -241,13 +241,13 @@ class _Rows:
     def of(cls, reads: "RankReads", groups: _Groups) -> "_Rows":
         if len(reads) != int(groups.count.sum()):
             raise ValueError(f"{len(reads)} read requests were sent for runs of {int(groups.count.sum())}")
-        return cls(groups.runs.led_groups(), *reads.columns)
+        return cls(groups.runs.share_groups(), *reads.columns)
 
 
-def led_reads(reads: RankReads, runs: RunGroups, rank: int) -> RankReads:
-    """What `rank` sends for the assignment: its share of the requests in its runs (`RunGroups.led`)."""
-    led = runs.led(rank)
-    return reads if len(led) == len(reads) else reads.take(led)
+def reads_share(reads: RankReads, runs: RunGroups, rank: int) -> RankReads:
+    """What `rank` sends for the assignment: its share of the requests in its runs (`RunGroups.share`)."""
+    mine = runs.share(rank)
+    return reads if len(mine) == len(reads) else reads.take(mine)
 
 
 @gc_paused
@@ -260,7 +260,7 @@ def assign_transfers(reads: RankReads, runs: RunGroups, files: Sequence[str], ra
     the union of the needed ranges. Items only one rank needs, or whose needers want disjoint
     ranges of it, are left to those ranks. `runs`: every rank's request runs (`run_groups` of
     their `runs_of`; of None and their lengths: each rank's whole list its own run), which runs
-    several ranks request alike are handled once by; `reads`: every rank's `led_reads`, one rank
+    several ranks request alike are handled once by; `reads`: every rank's `reads_share`, one rank
     after the other. With `rank`, only the transfers that rank reads or needs are built.
     `readers(file)`: the ranks that can read a file (None: all); an item no needer can read is
     read by one that can, which passes it on to every needer.

@@ -62,7 +62,7 @@ class RunGroups:
         order = np.argsort(self.group, kind="stable")
         return order, np.searchsorted(self.group[order], np.arange(len(self.first) + 1))
 
-    def led(self, rank: int) -> np.ndarray:
+    def share(self, rank: int) -> np.ndarray:
         """The positions in `rank`'s list of the items it sends the others: its share of each of
         its runs (`shares`). All that others need of its list, since the other holders' runs
         are alike."""
@@ -74,12 +74,12 @@ class RunGroups:
         """How many items each rank holds."""
         return np.bincount(self.rank, weights=self.count, minlength=self.world).astype(np.int64)
 
-    def led_counts(self) -> np.ndarray:
-        """How many items each rank sends (`led` gives their positions)."""
+    def share_counts(self) -> np.ndarray:
+        """How many items each rank sends (`share` gives their positions)."""
         return np.bincount(self.rank, weights=self.shares[1], minlength=self.world).astype(np.int64)
 
-    def led_groups(self) -> np.ndarray:
-        """The group of each item every rank sends (`led`, one rank after the other)."""
+    def share_groups(self) -> np.ndarray:
+        """The group of each item every rank sends (`share`, one rank after the other)."""
         return np.repeat(self.group, self.shares[1])
 
     @cached_property
@@ -96,8 +96,8 @@ class RunGroups:
         first = j * self.count // m
         return first, (j + 1) * self.count // m - first
 
-    def leading(self) -> np.ndarray:
-        """The positions, in every rank's list joined rank by rank, of what every rank's `led`
+    def share_positions(self) -> np.ndarray:
+        """The positions, in every rank's list joined rank by rank, of what every rank's `share`
         gives, one rank after the other."""
         held = self.held()
         first, count = self.shares

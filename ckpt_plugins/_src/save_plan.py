@@ -233,7 +233,7 @@ def plan_save(table: SpecTable, runs: RunGroups, files_per_rank: int = 1,
               aliases: Optional[Dict[str, str]] = None, casts: bool = False) -> SavePlan:
     """The global save plan of every rank's specs: `runs` groups every rank's runs (`spec_runs`;
     runs several ranks hold alike, such as data-parallel replicas', are planned once), and
-    `table` holds each group's specs once, dealt over its holders (`RunGroups.led`), rank by rank.
+    `table` holds each group's specs once, dealt over its holders (`RunGroups.share`), rank by rank.
     Which holder sent a spec does not change the plan: a rank's own specs keep their order, a rank
     holds a box in one run at most, and choices between holders break ties by rank. Steps: the
     distinct boxes, checked to lie in their tensors, whose shape and dtype every rank agrees on; a
@@ -283,7 +283,7 @@ class _Rows:
     def of(cls, table: SpecTable, runs: RunGroups) -> "_Rows":
         if len(table.count) != runs.world:
             raise ValueError(f"tensor specs of {len(table.count)} ranks for runs of {runs.world}")
-        wanted = runs.led_counts()
+        wanted = runs.share_counts()
         wrong = np.flatnonzero(table.count != wanted)
         if len(wrong):
             raise ValueError(f"rank {wrong[0]} sent {table.count[wrong[0]]} tensor specs for its share of "

@@ -35,7 +35,7 @@ def joined_runs(joined: Joined) -> RunGroups:
 
 def shares_asked(groups: RunGroups) -> List[bytes]:
     """Each rank's answer: the stretches of its specs it sends, as (first, count) int64 pairs, its
-    share of each of its runs (`RunGroups.led`). Every holder of a run sends a part of it, not the
+    share of each of its runs (`RunGroups.share`). Every holder of a run sends a part of it, not the
     first alone: a gather pads every rank's message to the largest (`Coordinator.gather_bytes`),
     and the first replica of each model-parallel rank would send all its weights' specs."""
     first, count = groups.shares
