@@ -174,26 +174,25 @@ class Coordinator:
         """Every rank's `fn()`, once each rank has run it; if any raised, every rank raises the
         same exception naming the failing ranks (with their tracebacks). The one way a step every
         rank depends on is run (DCP's `_DistWrapper` does the same)."""
-        failure, payload = None, None
-        try:
-            payload = fn()
-        except Exception as exc:
-            failure = RankFailure.of(self.rank, exc)
+        failure, payload = self._outcome(fn)
         return self.agree(failure, payload, what=what, then=then, default=default)
 
     def agreed_bytes(self, fn: Callable[[], bytes], *, what: str, then: str = "",
                      default=CheckpointError) -> bytearray:
         """`agreed` for a message of plain bytes: every rank's `fn()` in one buffer, not pickled
         (`all_gather_bytes`); if any rank raised, every rank raises naming them."""
-        failure, payload = None, None
-        try:
-            payload = fn()
-        except Exception as exc:
-            failure = RankFailure.of(self.rank, exc)
+        failure, payload = self._outcome(fn)
         buffer = self.all_gather_bytes(payload)
         if buffer is None:  # some rank failed: every rank learns which, and raises
             self.agree(failure, what=what, then=then, default=default)
         return buffer
+
+    def _outcome(self, fn: Callable[[], Any]) -> Tuple[Optional[RankFailure], Any]:
+        """`fn()`'s result, or this rank's failure (and no result)."""
+        try:
+            return None, fn()
+        except Exception as exc:
+            return RankFailure.of(self.rank, exc), None
 
     def agree(self, failure: Optional[RankFailure], payload: Any = None, *, what: str, then: str = "",
               default=CheckpointError) -> List[Any]:

@@ -1,7 +1,7 @@
 """What one rank tells the others before a load's data moves (`LoadRequest`), and in a second
 message where the job is too big to send its reads at once (`ShareRequests`: its share of what
-the ranks alike to it hold); each sent as plain bytes, every rank's joined on every rank in one pass on
-arrays (`LoadRequests`, `ShareRequests.of`): see `packing`.
+the ranks alike to it hold); each sent as plain bytes, every rank's joined on every rank in one
+pass on arrays (`LoadRequests`, `ShareRequests.of`): see `packing`.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from .format import (CAST_DTYPES, DATA_DIR, MODEL, STORABLE_DTYPES, Metadata, St
 from .fragment import Box
 from .gcpause import gc_paused
 from .hostmem import DIRECT_MIN, PAGE
-from .packing import aligned
+from .packing import aligned, spans
 from .plan import LeastLoaded, TensorSpec
 from .runs import Run, RunGroups, distinct_rows, runs_of
 from .spec_table import SpecTable
@@ -290,8 +290,7 @@ class _Rows:
                              f"{wanted[wrong[0]]}")
         first, count = runs.shares
         span = np.repeat(np.arange(len(count)), count)
-        index = first[span] + np.arange(len(span)) - np.repeat(np.cumsum(count) - count, count)
-        return cls(span, runs.group[span], runs.rank[span], index)
+        return cls(span, runs.group[span], runs.rank[span], spans(first, count))
 
 
 @dataclass
@@ -376,8 +375,8 @@ def _shared(table: SpecTable, rows: _Rows, runs: RunGroups, keys: _Keys, live: n
     def held(g: int) -> Dict[int, int]:
         out = starts.get(g)
         if out is None:
-            spans = order[bounds[g]:bounds[g + 1]]
-            out = starts[g] = dict(zip(runs.rank[spans].tolist(), runs.start[spans].tolist()))
+            group = order[bounds[g]:bounds[g + 1]]
+            out = starts[g] = dict(zip(runs.rank[group].tolist(), runs.start[group].tolist()))
         return out
 
     wanted = np.zeros(len(nbytes), dtype=bool)
