@@ -329,27 +329,44 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
     starts = np.minimum.reduceat(rows.start[users], cut) if len(cut) else cut
     ends = np.maximum.reduceat(rows.end[users], cut) if len(cut) else cut
     file, offset = rows.file[users[cut]], rows.offset[users[cut]]
-    tags = np.lexsort((offset, file, starts - ends))
+    tags = np.lexsort((offset, file, starts - ends))  # the items, largest first
     group = rows.group[users]
-    sets, needers = _needer_sets(group, cut, stop, groups, rank is not None)
+    needed, needers = _needer_sets(group, cut, stop, groups, rank is not None)
+    pick_from = [ranks for ranks, _ in needers]
+    sets = _able_sets(needed, pick_from, file, files, able) if any(v is not None for v in able.values()) else needed
+    readers = np.empty(len(tags), dtype=np.int64)
+    readers[tags] = load.deal(sets[tags].tolist(), (ends - starts)[tags].tolist(), pick_from)
+    tag_of = np.empty_like(tags)
+    tag_of[tags] = np.arange(len(tags))
+    if rank is not None:  # only the transfers it reads or needs
+        member = np.array([rank in among for _, among in needers], dtype=bool)
+        tags = tags[member[needed[tags]] | (readers[tags] == rank)]
     group, user, bounds, size = group.tolist(), users.tolist(), stop.tolist(), groups.size.tolist()
     out: Dict[StoredItem, Transfer] = {}
-    for tag, (k, needed, f, start, end) in enumerate(zip(tags.tolist(), sets[tags].tolist(), file[tags].tolist(),
-                                                          starts[tags].tolist(), ends[tags].tolist())):
-        ranks, among = needers[needed]
-        can = able.get(files[f]) if able else None
-        if can is not None:
-            if not can:
-                raise LoadMismatchError(f"{files[f]} is needed but no rank of this job can read it")
-            reader = load.take(tuple(r for r in ranks if r in can) or can, end - start)
-        else:
-            reader = load.take(ranks, end - start, needed)
-        if rank is None or rank in among or rank == reader:
-            at, wants = bounds[k - 1] if k else 0, []
-            for g, i in zip(group[at:bounds[k]], user[at:bounds[k]]):  # a group's holders want alike
-                wants += [regions[i]] * size[g]
-            out[StoredItem(files[f], int(offset[k]))] = Transfer(reader, ranks, tuple(wants), start, end, tag)
-    return Assignment(out, len(tags))
+    for k in tags.tolist():
+        at, wants = bounds[k - 1] if k else 0, []
+        for g, i in zip(group[at:bounds[k]], user[at:bounds[k]]):  # a group's holders want alike
+            wants += [regions[i]] * size[g]
+        out[StoredItem(files[int(file[k])], int(offset[k]))] = Transfer(
+            int(readers[k]), needers[int(needed[k])][0], tuple(wants), int(starts[k]), int(ends[k]), int(tag_of[k]))
+    return Assignment(out, len(readers))
+
+
+def _able_sets(needed: np.ndarray, pick_from: List[Tuple[int, ...]], file: np.ndarray, files: Sequence[str],
+               able: Dict[str, Optional[Tuple[int, ...]]]) -> np.ndarray:
+    """Each item's set to pick its reader from where some ranks cannot read some files: of an
+    item of such a file, those of its needers that can (`needed`: their set), else every rank
+    that can. The new sets are appended to `pick_from`."""
+    sets, numbers = needed.copy(), {}
+    for k, (f, s) in enumerate(zip(file.tolist(), needed.tolist())):
+        can = able.get(files[f])
+        if can is None:
+            continue
+        if not can:
+            raise LoadMismatchError(f"{files[f]} is needed but no rank of this job can read it")
+        sets[k] = numbers.setdefault(tuple(r for r in pick_from[s] if r in can) or can, len(pick_from) + len(numbers))
+    pick_from.extend(numbers)
+    return sets
 
 
 def _needer_sets(group: np.ndarray, cut: np.ndarray, stop: np.ndarray, groups: _Groups, members: bool

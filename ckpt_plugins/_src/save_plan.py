@@ -409,7 +409,7 @@ class _Piece(NamedTuple):
     nbytes: int
     holdings: List[_Holding]  # those of the box it is (a part of)
     ranks: Tuple[int, ...]
-    holders: int  # a number naming the set `ranks` (`LeastLoaded.take`)
+    holders: int  # a number naming the set `ranks` (`LeastLoaded.deal`)
 
 
 def _pieces(boxes: Dict[Tuple[int, Box], _Box], assigned: Dict[int, "_RankWrites"], load: LeastLoaded) -> List[_Piece]:
@@ -473,7 +473,8 @@ class _RankWrites:
 
 def _assign(pieces: List[_Piece], assigned: Dict[int, _RankWrites], load: LeastLoaded) -> None:
     """Each piece to the least-loaded rank holding it, biggest first (into `assigned` and `load`)."""
-    for piece in sorted(pieces, key=lambda p: (-p.nbytes, p.key, p.box)):
-        rank = load.take(piece.ranks, piece.nbytes, piece.holders)
+    pieces = sorted(pieces, key=lambda p: (-p.nbytes, p.key, p.box))
+    ranks = load.deal([p.holders for p in pieces], [p.nbytes for p in pieces], {p.holders: p.ranks for p in pieces})
+    for piece, rank in zip(pieces, ranks):
         index = next(h.starts[rank] + h.index for h in piece.holdings if rank in h.starts)
         assigned[rank].add(index, piece.key, piece.box, piece.nbytes)
