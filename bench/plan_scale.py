@@ -34,7 +34,6 @@ import time
 import tracemalloc
 from typing import Tuple
 
-import numpy as np
 import torch
 
 from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
@@ -43,7 +42,7 @@ from ckpt_plugins._src.fragment import flat_views
 from ckpt_plugins._src.gcpause import gc_paused
 from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request
 from ckpt_plugins._src.load_request import ShareRequests, LoadRequest, LoadRequests, key_runs
-from ckpt_plugins._src.loading import stored_keys
+from ckpt_plugins._src.loading import StoredKeys
 from ckpt_plugins._src.saving import WriteReport
 from ckpt_plugins._src.plan import TensorSpec, plan_load
 from ckpt_plugins._src.runs import RunGroups, runs_of
@@ -317,13 +316,12 @@ def run(layout, world: int) -> dict:
         reads = plan_load(metadata, templates[c]).reads
         requests = [read_request(r) for r in reads]
         table = {f: i for i, f in enumerate(metadata.files)}
-        keys = stored_keys(metadata)
-        used(templates[c], keys, dict(zip(keys, range(len(keys)))))
+        used(templates[c], StoredKeys.of(metadata))
         return RankReads.of(requests, table), runs_of([r.key for r in reads], requests)
 
-    def used(specs, keys, index):  # the keys a rank uses and their runs, as its LoadRequest sends them (its specs')
-        wanted = np.array(sorted({index[s.key] for s in specs}), dtype=np.int32)
-        return wanted, key_runs(keys, wanted)
+    def used(specs, keys):  # the keys a rank uses and their runs, as its LoadRequest sends them (its specs')
+        wanted = keys.of_keys({s.key for s in specs})
+        return wanted, key_runs(keys.names, wanted)
 
     part_plans = {}
 
@@ -382,12 +380,11 @@ def run(layout, world: int) -> dict:
     requests = {c: local_plan_by_parts(c, decoded, table) for c in templates}
     part_plans.clear()
     stage("read-once exchange")
-    keys = stored_keys(decoded)
-    index = {k: i for i, k in enumerate(keys)}
-    wanted = {c: used(specs, keys, index) for c, specs in templates.items()}
+    keys = StoredKeys.of(decoded)
+    wanted = {c: used(specs, keys) for c, specs in templates.items()}
     sent_reads, sent_runs, exchange = load_exchange([requests[c] for c in coords], [wanted[c] for c in coords], lambda groups: (
         reads_share(requests[c][0], groups, rank) for rank, c in enumerate(coords)))
-    del keys, index, wanted
+    del keys, wanted
     stage("read-once assignment")
     t0 = time.perf_counter()
     load_plan(world - 1)

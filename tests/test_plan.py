@@ -526,3 +526,32 @@ def test_checksums_fed_in_any_pieces_are_those_of_the_whole_item():
             sums.feed(data[lo:hi])
         assert sums.result() == chunk_checksums(data, 1024), cuts
     assert ChunkSums().result() == chunk_checksums(b"")
+
+
+def test_stored_keys_are_numbered_alike_from_a_decoded_table_and_a_written_dict():
+    """A load numbers the stored keys on the decoded tensor table's own index (`StoredKeys`): the
+    numbers are those of the metadata as written (tensors in order, then objects and aliases
+    not among them), and a descriptive entry is never reported unused."""
+    from dataclasses import replace
+    from ckpt_plugins._src.format import ObjectMeta
+    from ckpt_plugins._src.loading import StoredKeys
+    from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
+    written = planned([[spec("model/b", (2,)), spec("model/a", (3,)), spec("optim/a/exp_avg", (3,))]]).metadata
+    for meta in written.tensors.values():
+        for box in meta.boxes:
+            box.crc32c = [0]
+    written = replace(written, objects={"extra/step": [ObjectMeta(file="data/r0-0.bin", offset=0, nbytes=1, crc32c=[0])],
+                                        "model/a": [ObjectMeta(file="data/r0-0.bin", offset=0, nbytes=1, crc32c=[0])]},
+                      aliases={"model/tied": "model/a"})
+    decoded = decode_metadata(encode_metadata(written))
+    assert type(decoded.tensors) is not dict
+    names = list(written.tensors) + ["extra/step", "model/tied"]
+    assert sorted(names[:3]) == ["model/a", "model/b", "optim/a/exp_avg"]
+    a = names.index("model/a")
+    for keys in (StoredKeys.of(decoded), StoredKeys.of(written)):
+        assert keys.names == names
+        assert keys.of_keys({"model/tied", "model/a", "nope"}).tolist() == [a, 4]
+        assert keys.unused(np.array([a, 4, a])) == sorted(set(names) - {"model/a", "model/tied"})
+    keys = StoredKeys.of(replace(written, objects={}))
+    keys.descriptive = {"model/b"}
+    assert keys.unused(keys.of_keys({"optim/a/exp_avg"})) == ["model/a", "model/tied"]

@@ -270,7 +270,7 @@ class TensorTable(Mapping):
     columns the first time it is used, so a rank pays only for the tensors its load touches."""
 
     def __init__(self, keys: List[str], dtypes: List[str], files: List[str], rows: _Rows):
-        self._index = dict(zip(keys, range(len(keys))))
+        self._keys, self._index = keys, dict(zip(keys, range(len(keys))))
         need(len(self._index) == len(keys), "keys names a tensor twice")
         self._dtypes, self._files = dtypes, files
         t, b = rows.t, rows.b
@@ -293,6 +293,11 @@ class TensorTable(Mapping):
 
     def __contains__(self, key) -> bool:
         return key in self._index
+
+    def positions(self) -> Tuple[List[str], Dict[str, int]]:
+        """The keys in the table's order, and each key's position there (its own index: at scale,
+        hundreds of thousands of keys, which a load would otherwise index again)."""
+        return self._keys, self._index
 
     def describe(self, key: str) -> Tuple[Tuple[int, ...], str, int]:
         """A tensor's shape, dtype and box count, without building its boxes."""

@@ -11,7 +11,8 @@ import contextlib
 import itertools
 import logging
 import time
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Set
 
 import numpy as np
 
@@ -59,7 +60,7 @@ class Load:
         self.request: Optional[LoadRequest] = None  # this rank's
         self.requests: Optional[LoadRequests] = None  # every rank's
         self.files: List[str] = []  # the checkpoint's file table, which read requests index
-        self.keys: List[str] = []  # its stored keys, which `LoadRequest.wanted` indexes
+        self.keys: Optional[StoredKeys] = None  # its stored keys, which `LoadRequest.wanted` numbers
         self.reads = RankReads.of([], {})  # this rank's read requests, for the read-once assignment
         self.runs: Optional[RunGroups] = None  # every rank's request runs
         self.sent_reads = self.reads  # every rank's `reads_share`, one after the other
@@ -104,10 +105,7 @@ class Load:
             shares = ShareRequests.of(Joined.gathered(sent, coord.world_size, "read requests"), requests)
             self.sent_reads, keys = shares.reads, shares.keys
         recorder.add("agree", planned[0] if planned else t0, time.time())
-        used = np.zeros(len(self.keys), dtype=bool)
-        used[keys] = True
-        return LoadResult(missing_keys=requests.missing,
-                          unexpected_keys=sorted(itertools.compress(self.keys, (~used).tolist())))
+        return LoadResult(missing_keys=requests.missing, unexpected_keys=self.keys.unused(keys))
 
     def _request(self, planned: list) -> LoadRequest:
         """This rank's metadata, handlers' items and load plan, as what it tells the others
@@ -130,10 +128,9 @@ class Load:
         # over when its fp32 master filled the model
         wanted = ({resolve_key(metadata, k) for s in specs for k in candidate_keys(s)}
                   | {s.key for s in specs} | set(items.objects) | set(items.per_rank) | items.accepted)
-        self.keys = stored_keys(metadata)
-        index = dict(zip(self.keys, range(len(self.keys))))
-        request.wanted = np.array(sorted(index[k] for k in wanted if k in index), dtype=np.int32)
-        request.key_runs = key_runs(self.keys, request.wanted)
+        self.keys = StoredKeys.of(metadata)
+        request.wanted = self.keys.of_keys(wanted)
+        request.key_runs = key_runs(self.keys.names, request.wanted)
         request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects] + found
         reads = [read_request(r) for r in plan.reads]
         request.runs = runs_of([r.key for r in plan.reads], reads)
@@ -272,12 +269,35 @@ def undone_on_failure(loads: List["Load"]):
         raise
 
 
-def stored_keys(metadata) -> List[str]:
-    """The keys a load may leave unused (`LoadResult.unexpected_keys`), in the metadata's order:
-    the same on every rank, which read the same metadata."""
-    descriptive = set(getattr(metadata, "descriptive", ()))
-    return [k for k in dict.fromkeys(itertools.chain(metadata.tensors, metadata.objects, metadata.aliases))
-            if k not in descriptive]
+@dataclass
+class StoredKeys:
+    """The keys a load may leave unused, numbered alike on every rank, which read the same
+    metadata: its tensors' in its order, then its objects' and aliases' (`LoadRequest.wanted`
+    holds numbers into `names`)."""
+    names: List[str]
+    numbers: Mapping[str, int]  # the tensors': the tensor table's own index where it keeps one
+    others: Dict[str, int]
+    descriptive: Set[str]  # stored, but never reported unused
+
+    @classmethod
+    def of(cls, metadata) -> "StoredKeys":
+        tensors = metadata.tensors
+        positions = getattr(tensors, "positions", None)
+        names, numbers = positions() if positions else (list(tensors), dict(zip(tensors, range(len(tensors)))))
+        others = [k for k in dict.fromkeys(itertools.chain(metadata.objects, metadata.aliases)) if k not in numbers]
+        return cls(names + others, numbers, dict(zip(others, range(len(names), len(names) + len(others)))),
+                   set(getattr(metadata, "descriptive", ())))
+
+    def of_keys(self, keys) -> np.ndarray:
+        """The numbers of those of `keys` stored, sorted (int32)."""
+        found = (n for k in keys for n in [self.numbers.get(k, self.others.get(k))] if n is not None)
+        return np.array(sorted(found), dtype=np.int32)
+
+    def unused(self, used: np.ndarray) -> List[str]:
+        """Those no rank used (`used`: the numbers every rank sent, repeated), sorted."""
+        hit = np.zeros(len(self.names), dtype=bool)
+        hit[used] = True
+        return sorted(k for k in itertools.compress(self.names, (~hit).tolist()) if k not in self.descriptive)
 
 
 def _passed_on(metadata, shared: Dict[StoredItem, Transfer], mine: set, rank: int) -> List[ReadItem]:
