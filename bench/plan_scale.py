@@ -42,7 +42,7 @@ from ckpt_plugins._src.fragment import flat_views
 from ckpt_plugins._src.gcpause import gc_paused
 from ckpt_plugins._src.plan_cache import PlanReply, Structure, _request
 from ckpt_plugins._src.load_request import ShareRequests, LoadRequest, LoadRequests, key_runs
-from ckpt_plugins._src.loading import StoredKeys
+from ckpt_plugins._src.loading import StoredKeys, file_table
 from ckpt_plugins._src.saving import WriteReport
 from ckpt_plugins._src.plan import TensorSpec, plan_load
 from ckpt_plugins._src.runs import RunGroups, runs_of
@@ -315,9 +315,8 @@ def run(layout, world: int) -> dict:
     def local_plan(c, metadata):  # what one rank does for itself: its reads and their runs, the keys it uses
         reads = plan_load(metadata, templates[c]).reads
         requests = [read_request(r) for r in reads]
-        table = {f: i for i, f in enumerate(metadata.files)}
         used(templates[c], StoredKeys.of(metadata))
-        return RankReads.of(requests, table), runs_of([r.key for r in reads], requests)
+        return RankReads.of(requests, file_table(metadata)[1]), runs_of([r.key for r in reads], requests)
 
     def used(specs, keys):  # the keys a rank uses and their runs, as its LoadRequest sends them (its specs')
         wanted = keys.of_keys({s.key for s in specs})

@@ -528,13 +528,14 @@ def test_checksums_fed_in_any_pieces_are_those_of_the_whole_item():
     assert ChunkSums().result() == chunk_checksums(b"")
 
 
-def test_stored_keys_are_numbered_alike_from_a_decoded_table_and_a_written_dict():
-    """A load numbers the stored keys on the decoded tensor table's own index (`StoredKeys`): the
-    numbers are those of the metadata as written (tensors in order, then objects and aliases
-    not among them), and a descriptive entry is never reported unused."""
+def test_stored_keys_and_files_are_numbered_alike_from_a_decoded_table_and_a_written_dict():
+    """A load numbers the stored keys and the files it reads on the decoded tensor table's own
+    indexes (`StoredKeys`, `file_table`): the numbers are those of the metadata as written
+    (tensors in order, then objects and aliases not among them), and a descriptive entry is
+    never reported unused."""
     from dataclasses import replace
     from ckpt_plugins._src.format import ObjectMeta
-    from ckpt_plugins._src.loading import StoredKeys
+    from ckpt_plugins._src.loading import StoredKeys, file_table
     from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
     written = planned([[spec("model/b", (2,)), spec("model/a", (3,)), spec("optim/a/exp_avg", (3,))]]).metadata
     for meta in written.tensors.values():
@@ -552,6 +553,11 @@ def test_stored_keys_are_numbered_alike_from_a_decoded_table_and_a_written_dict(
         assert keys.names == names
         assert keys.of_keys({"model/tied", "model/a", "nope"}).tolist() == [a, 4]
         assert keys.unused(np.array([a, 4, a])) == sorted(set(names) - {"model/a", "model/tied"})
+    files, numbers = file_table(decoded)  # the files of the boxes built so far, numbered as in the table
+    assert files == list(written.files) and numbers == {}
+    box = decoded.tensors["model/a"].boxes[0]
+    assert numbers == {box.file: files.index(box.file)}
+    assert file_table(written) == (files, {f: i for i, f in enumerate(files)})
     keys = StoredKeys.of(replace(written, objects={}))
     keys.descriptive = {"model/b"}
     assert keys.unused(keys.of_keys({"optim/a/exp_avg"})) == ["model/a", "model/tied"]

@@ -284,6 +284,7 @@ class TensorTable(Mapping):
         self._packed = b["packed"]
         self._dims = np.stack([b["offsets"], b["lengths"]], axis=1)
         self._built: Dict[str, TensorMeta] = {}
+        self._file_numbers: Dict[str, int] = {}  # of the files built entries' boxes lie in
 
     def __getitem__(self, key: str) -> TensorMeta:
         meta = self._built.get(key)
@@ -298,6 +299,12 @@ class TensorTable(Mapping):
         """The keys in the table's order, and each key's position there (its own index: at scale,
         hundreds of thousands of keys, which a load would otherwise index again)."""
         return self._keys, self._index
+
+    def file_numbers(self) -> Tuple[List[str], Dict[str, int]]:
+        """The file table, and the number in it of each file that the boxes built so far lie in:
+        those a load reads (at scale, a few of hundreds of thousands of files, which a load would
+        otherwise index again)."""
+        return self._files, self._file_numbers
 
     def describe(self, key: str) -> Tuple[Tuple[int, ...], str, int]:
         """A tensor's shape, dtype and box count, without building its boxes."""
@@ -319,6 +326,7 @@ class TensorTable(Mapping):
         d, c = rows[0][3], rows[0][5]
         dims = self._dims[d:rows[-1][4]].tolist()
         crcs = self._crcs.values(c, rows[-1][6])
+        self._file_numbers.update((self._files[row[0]], row[0]) for row in rows)
         boxes = [StoredBox(file=self._files[f], offset=offset, nbytes=nbytes, crc32c=crcs[c0 - c:c1 - c],
                            group=group, packed=self._packed[p0:p1].tolist() if group else [], delta=bool(delta),
                            offsets=tuple(x[0] for x in dims[d0 - d:d1 - d]),

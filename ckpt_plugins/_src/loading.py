@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Set
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import numpy as np
 
@@ -134,8 +134,8 @@ class Load:
         request.missing = plan.missing + [k for k in items.objects if k not in metadata.objects] + found
         reads = [read_request(r) for r in plan.reads]
         request.runs = runs_of([r.key for r in plan.reads], reads)
-        self.files = list(metadata.files)
-        self.reads = RankReads.of(reads, dict(zip(self.files, range(len(self.files)))))
+        self.files, numbers = file_table(metadata)
+        self.reads = RankReads.of(reads, numbers)
         if len(reads) * self.coord.world_size <= INLINE_READS:
             request.reads = self.reads
         planned.append(time.time())
@@ -267,6 +267,17 @@ def undone_on_failure(loads: List["Load"]):
                 undo()
         shm.remove_stale()  # a reader that was killed left its segment
         raise
+
+
+def file_table(metadata) -> Tuple[List[str], Mapping[str, int]]:
+    """The checkpoint's file table, which read requests index, and the number of each file its
+    tensors' boxes lie in: the decoded table's own, where it keeps them, of the files of the
+    boxes built so far (a load's reads')."""
+    numbers = getattr(metadata.tensors, "file_numbers", None)
+    if numbers is not None:
+        return numbers()
+    files = list(metadata.files)
+    return files, dict(zip(files, range(len(files))))
 
 
 @dataclass
