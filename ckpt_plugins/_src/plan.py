@@ -179,7 +179,7 @@ class LeastLoaded:
 
     def __init__(self, world: int, load: Optional[np.ndarray] = None):
         self.load = [0] * world if load is None else load.tolist()
-        self._heaps: Dict[object, List[Tuple[int, int]]] = {}
+        self._heaps: Dict[Hashable, List[int]] = {}
 
     def add(self, rank: int, nbytes: int) -> None:
         self.load[rank] += nbytes
@@ -189,17 +189,21 @@ class LeastLoaded:
         of `nbytes[i]` bytes, to one of `ranks[names[i]]` (a set by its name: hashed once, not
         per item). Returns the ranks picked, in one loop: at scale, tens of thousands of items."""
         heaps, load, out = self._heaps, self.load, []
+        shift = len(load).bit_length()  # a heap entry is load << shift | rank: ints compare faster than pairs
+        mask = (1 << shift) - 1
         for name, n in zip(names, nbytes):
             heap = heaps.get(name)
             if heap is None:
-                heap = heaps[name] = [(load[r], r) for r in ranks[name]]
+                heap = heaps[name] = [load[r] << shift | r for r in ranks[name]]
                 heapq.heapify(heap)
-            have, rank = heap[0]
-            while have != load[rank]:
-                heapq.heapreplace(heap, (load[rank], rank))
-                have, rank = heap[0]
-            load[rank] = have + n
-            heapq.heapreplace(heap, (have + n, rank))  # its entry, fresh again: no refresh at the next pick
+            top = heap[0]
+            rank = top & mask
+            while top >> shift != load[rank]:
+                heapq.heapreplace(heap, load[rank] << shift | rank)
+                top = heap[0]
+                rank = top & mask
+            load[rank] += n
+            heapq.heapreplace(heap, load[rank] << shift | rank)  # its entry, fresh again: no refresh at the next pick
             out.append(rank)
         return out
 
