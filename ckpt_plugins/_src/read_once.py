@@ -9,6 +9,7 @@ beside the optimizer shards each rank reads alone, are handled one by one.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -223,7 +224,8 @@ class _Groups:
     def ranks(self, groups: Sequence[int]) -> Tuple[int, ...]:
         """The ranks holding `groups`, group by group."""
         order, bounds = self.runs.holders
-        return tuple(r for g in groups for r in self.runs.rank[order[bounds[g]:bounds[g + 1]]].tolist())
+        return tuple(itertools.chain.from_iterable(self.runs.rank[order[bounds[g]:bounds[g + 1]]].tolist()
+                                                   for g in groups))
 
 
 @dataclass
@@ -276,7 +278,7 @@ def assign_transfers(reads: RankReads, runs: RunGroups, files: Sequence[str], ra
     if apart.any():
         got = np.bincount(groups.leader[rows.group[order[apart]]], weights=(rows.end - rows.start)[order[apart]],
                           minlength=runs.world)
-        load.load = [int(x) for x in got.tolist()]
+        load.load = got.astype(np.int64).tolist()
     return _assign(rows, groups, reads.regions, files, order[~apart], item_of[~apart], able, load, rank)
 
 
@@ -332,15 +334,15 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
     tags = np.lexsort((offset, file, starts - ends))  # the items, largest first
     group = rows.group[users]
     needed, needers = _needer_sets(group, cut, stop, groups, rank is not None)
-    pick_from = [ranks for ranks, _ in needers]
+    pick_from = {number: ranks for number, (ranks, _) in needers.items()}
     sets = _able_sets(needed, pick_from, file, files, able) if any(v is not None for v in able.values()) else needed
     readers = np.empty(len(tags), dtype=np.int64)
     readers[tags] = load.deal(sets[tags].tolist(), (ends - starts)[tags].tolist(), pick_from)
     tag_of = np.empty_like(tags)
     tag_of[tags] = np.arange(len(tags))
     if rank is not None:  # only the transfers it reads or needs
-        member = np.array([rank in among for _, among in needers], dtype=bool)
-        tags = tags[member[needed[tags]] | (readers[tags] == rank)]
+        member = [number for number, (_, among) in needers.items() if rank in among]
+        tags = tags[np.isin(needed[tags], member) | (readers[tags] == rank)]
     group, user, bounds, size = group.tolist(), users.tolist(), stop.tolist(), groups.size.tolist()
     out: Dict[StoredItem, Transfer] = {}
     for k in tags.tolist():
@@ -352,27 +354,27 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
     return Assignment(out, len(readers))
 
 
-def _able_sets(needed: np.ndarray, pick_from: List[Tuple[int, ...]], file: np.ndarray, files: Sequence[str],
+def _able_sets(needed: np.ndarray, pick_from: Dict[int, Tuple[int, ...]], file: np.ndarray, files: Sequence[str],
                able: Dict[str, Optional[Tuple[int, ...]]]) -> np.ndarray:
     """Each item's set to pick its reader from where some ranks cannot read some files: of an
     item of such a file, those of its needers that can (`needed`: their set), else every rank
-    that can. The new sets are appended to `pick_from`."""
-    sets, numbers = needed.copy(), {}
+    that can. The new sets are added to `pick_from`, numbered after the others."""
+    sets, numbers, after = needed.copy(), {}, max(pick_from, default=-1) + 1
     for k, (f, s) in enumerate(zip(file.tolist(), needed.tolist())):
         can = able.get(files[f])
         if can is None:
             continue
         if not can:
             raise LoadMismatchError(f"{files[f]} is needed but no rank of this job can read it")
-        sets[k] = numbers.setdefault(tuple(r for r in pick_from[s] if r in can) or can, len(pick_from) + len(numbers))
-    pick_from.extend(numbers)
+        sets[k] = numbers.setdefault(tuple(r for r in pick_from[s] if r in can) or can, after + len(numbers))
+    pick_from.update((number, ranks) for ranks, number in numbers.items())
     return sets
 
 
 def _needer_sets(group: np.ndarray, cut: np.ndarray, stop: np.ndarray, groups: _Groups, members: bool
-                 ) -> Tuple[np.ndarray, List[Tuple[Tuple[int, ...], frozenset]]]:
+                 ) -> Tuple[np.ndarray, Dict[int, Tuple[Tuple[int, ...], frozenset]]]:
     """Each item's needer set, by number (its group's where one group needs it, as mostly), and
-    each set's ranks (with `members`, also as a set)."""
+    the ranks of each set some item needs, by number (with `members`, also as a set)."""
     one = stop - cut == 1
     sets = np.where(one, group[cut], -1)
     numbers: Dict[Tuple[int, ...], int] = {}
@@ -380,7 +382,7 @@ def _needer_sets(group: np.ndarray, cut: np.ndarray, stop: np.ndarray, groups: _
         sets[k] = numbers.setdefault(tuple(group[cut[k]:stop[k]].tolist()), len(groups.count) + len(numbers))
     used = np.unique(sets[one]).tolist()
     keyed = [((g,), g) for g in used] + list(numbers.items())
-    needers: List[Tuple[Tuple[int, ...], frozenset]] = [((), frozenset())] * (len(groups.count) + len(numbers))
+    needers: Dict[int, Tuple[Tuple[int, ...], frozenset]] = {}
     for by_groups, number in keyed:
         ranks = groups.ranks(by_groups)
         needers[number] = (ranks, frozenset(ranks) if members else frozenset())
