@@ -269,9 +269,8 @@ def assign_transfers(reads: RankReads, runs: RunGroups, files: Sequence[str], ra
     """
     groups = _Groups.of(runs)
     rows = _Rows.of(reads, groups)
-    able = {f: None if found is None else tuple(sorted(found))
-            for f, found in ((files[i], readers(files[i])) for i in np.unique(rows.file).tolist())} \
-        if readers is not None else {}
+    found = {files[i]: readers(files[i]) for i in np.unique(rows.file).tolist()} if readers is not None else {}
+    able = {f: tuple(sorted(r)) for f, r in found.items() if r is not None}  # the files only some ranks can read
     load = LeastLoaded(runs.world)
     order, item_of = _by_item(rows)
     apart = _alone(rows, groups, files, order, item_of, able)[item_of]
@@ -298,14 +297,14 @@ def _by_item(rows: _Rows) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def _alone(rows: _Rows, groups: _Groups, files: Sequence[str], order: np.ndarray, item_of: np.ndarray,
-           able: Dict[str, Optional[Tuple[int, ...]]]) -> np.ndarray:
+           able: Dict[str, Tuple[int, ...]]) -> np.ndarray:
     """Per item: whether each of its needers reads its own bytes: one rank per request, ranges
     disjoint (row shards of one stored box), every needer able to read the file. Nothing is then
     sent."""
     solo = (groups.size == 1)[rows.group]
-    if any(v is not None for v in able.values()):
+    if able:
         leader = groups.leader[rows.group]
-        solo &= np.array([able[files[f]] is None or r in able[files[f]]
+        solo &= np.array([files[f] not in able or r in able[files[f]]
                           for f, r in zip(rows.file.tolist(), leader.tolist())], dtype=bool)
     items = int(item_of[-1]) + 1 if len(item_of) else 0
     bad = np.bincount(item_of, weights=~solo[order], minlength=items) > 0
@@ -320,7 +319,7 @@ def _alone(rows: _Rows, groups: _Groups, files: Sequence[str], order: np.ndarray
 
 
 def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str], shared_rows: np.ndarray,
-            shared_item: np.ndarray, able: Dict[str, Optional[Tuple[int, ...]]], load: LeastLoaded,
+            shared_item: np.ndarray, able: Dict[str, Tuple[int, ...]], load: LeastLoaded,
             rank: Optional[int]) -> Assignment:
     """Readers for the shared items (`shared_rows`, of items `shared_item`), largest first, then
     by item (file, offset): each the least loaded of its needers (able to read it)."""
@@ -335,7 +334,7 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
     group = rows.group[users]
     needed, needers = _needer_sets(group, cut, stop, groups, rank is not None)
     pick_from = {number: ranks for number, (ranks, _) in needers.items()}
-    sets = _able_sets(needed, pick_from, file, files, able) if any(v is not None for v in able.values()) else needed
+    sets = _able_sets(needed, pick_from, file, files, able) if able else needed
     readers = np.empty(len(tags), dtype=np.int64)
     readers[tags] = load.deal(sets[tags].tolist(), (ends - starts)[tags].tolist(), pick_from)
     tag_of = np.empty_like(tags)
@@ -355,7 +354,7 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
 
 
 def _able_sets(needed: np.ndarray, pick_from: Dict[int, Tuple[int, ...]], file: np.ndarray, files: Sequence[str],
-               able: Dict[str, Optional[Tuple[int, ...]]]) -> np.ndarray:
+               able: Dict[str, Tuple[int, ...]]) -> np.ndarray:
     """Each item's set to pick its reader from where some ranks cannot read some files: of an
     item of such a file, those of its needers that can (`needed`: their set), else every rank
     that can. The new sets are added to `pick_from`, numbered after the others."""
