@@ -372,6 +372,34 @@ def test_read_once_assignment_of_random_requests_keeps_its_rules():
             {i: t for i, t in out.transfers.items() if rank in t.needers or rank == t.reader})
 
 
+def test_a_rank_deals_only_the_items_linked_to_those_it_reads_or_needs():
+    """Picks change each other through the loads of ranks their needer sets share, so a rank
+    deals the chain of items linked to its own (here X -> Y -> Z: rank 0's own read makes rank 1
+    read X, then rank 2 Y, then rank 3 Z) and no other (W): its transfers are the global ones."""
+    import numpy as np
+    from ckpt_plugins._src.read_once import ReadRequest as R, _linked
+    whole = lambda item, n: R("f", item, 0, n, (((0,), (n,)),))  # noqa: E731
+    x, y, z, w = whole(1000, 100), whole(2000, 50), whole(3000, 10), whole(4000, 20)
+    reqs = [[whole(0, 1000), x], [x, y], [y, z], [z], [w], [w]]
+    every = assign(reqs).transfers
+    assert [every[("f", i)].reader for i in (1000, 2000, 3000)] == [1, 2, 3]
+    for rank in range(6):
+        assert assign(reqs, rank=rank).transfers == {
+            k: t for k, t in every.items() if rank in t.needers or rank == t.reader}
+    from ckpt_plugins._src.read_once import _Groups, _NeederSets
+    from ckpt_plugins._src.runs import run_groups
+    # 8 ranks, each its own group (numbers 0-7); sets of several groups numbered after them
+    sets = _NeederSets(_Groups.of(run_groups(None, [1] * 8)), {8: (0, 1), 9: (1, 2), 10: (2, 3), 11: (4, 5)})
+    assert sets.holding(1) == [1, 8, 9] and sets[9] == (1, 2)
+    items = np.array([8, 9, 10, 11, 6])  # X, Y, Z, W, and one rank 6 needs alone
+    linked = lambda rank, wanted: _linked(items, sets, rank, np.array(wanted)).tolist()  # noqa: E731
+    assert linked(3, [False, False, True, False, False]) == [True, True, True, False, False]
+    assert linked(4, [False] * 5) == [False, False, False, True, False]
+    assert linked(6, [False] * 5) == [False, False, False, False, True]
+    assert linked(7, [False] * 5) == [False] * 5  # in no set, needing nothing
+    assert linked(7, [False, True, False, False, False]) == [True, True, True, False, False]  # needing Y only
+
+
 def test_read_regions_are_the_payload_layout_and_contiguous_ones_need_no_packing():
     from ckpt_plugins._src.engine.read import needs_packing
     from ckpt_plugins._src.read_once import read_regions

@@ -332,16 +332,18 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
     file, offset = rows.file[users[cut]], rows.offset[users[cut]]
     tags = np.lexsort((offset, file, starts - ends))  # the items, largest first
     group = rows.group[users]
-    needed, needers = _needer_sets(group, cut, stop, groups, rank is not None)
-    pick_from = {number: ranks for number, (ranks, _) in needers.items()}
+    needed, pick_from = _needer_sets(group, cut, stop, groups)
     sets = _able_sets(needed, pick_from, file, files, able) if able else needed
-    readers = np.empty(len(tags), dtype=np.int64)
-    readers[tags] = load.deal(sets[tags].tolist(), (ends - starts)[tags].tolist(), pick_from)
+    readers = np.full(len(tags), -1, dtype=np.int64)
+    dealt = tags
+    if rank is not None:  # only the items whose picks can change those it reads or needs
+        wanted = np.isin(needed, pick_from.holding(rank))
+        dealt = tags[_linked(sets, pick_from, rank, wanted)[tags]]
+    readers[dealt] = load.deal(sets[dealt].tolist(), (ends - starts)[dealt].tolist(), pick_from)
     tag_of = np.empty_like(tags)
     tag_of[tags] = np.arange(len(tags))
     if rank is not None:  # only the transfers it reads or needs
-        member = [number for number, (_, among) in needers.items() if rank in among]
-        tags = tags[np.isin(needed[tags], member) | (readers[tags] == rank)]
+        tags = tags[wanted[tags] | (readers[tags] == rank)]
     group, user, bounds, size = group.tolist(), users.tolist(), stop.tolist(), groups.size.tolist()
     out: Dict[StoredItem, Transfer] = {}
     for k in tags.tolist():
@@ -349,40 +351,98 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
         for g, i in zip(group[at:bounds[k]], user[at:bounds[k]]):  # a group's holders want alike
             wants += [regions[i]] * size[g]
         out[StoredItem(files[int(file[k])], int(offset[k]))] = Transfer(
-            int(readers[k]), needers[int(needed[k])][0], tuple(wants), int(starts[k]), int(ends[k]), int(tag_of[k]))
+            int(readers[k]), pick_from[int(needed[k])], tuple(wants), int(starts[k]), int(ends[k]), int(tag_of[k]))
     return Assignment(out, len(readers))
 
 
-def _able_sets(needed: np.ndarray, pick_from: Dict[int, Tuple[int, ...]], file: np.ndarray, files: Sequence[str],
+def _linked(sets: np.ndarray, pick_from: "_NeederSets", rank: int, wanted: np.ndarray) -> np.ndarray:
+    """Per item: whether its pick can change the pick of an item `rank` may read (its set, `sets`,
+    holds the rank) or needs (`wanted`). Picks change each other only through the loads of ranks
+    their sets share, so those are the items of the components (sets linked by a shared rank,
+    directly or through others) of such items: at scale, a pipeline stage's, not every stage's."""
+    numbers = np.unique(sets)
+    of, member = pick_from.members(numbers.tolist())
+    label = np.arange(len(numbers))
+    while True:  # each set takes the least label of the sets it shares a rank with, until none changes
+        least = np.full(pick_from.groups.runs.world, len(numbers))
+        np.minimum.at(least, member, label[of])
+        linked = label.copy()
+        np.minimum.at(linked, of, least[member])
+        if (linked == label).all():
+            break
+        label = linked
+    component = label[np.searchsorted(numbers, sets)]
+    return np.isin(component, np.append(component[wanted], least[rank]))
+
+
+def _able_sets(needed: np.ndarray, pick_from: "_NeederSets", file: np.ndarray, files: Sequence[str],
                able: Dict[str, Tuple[int, ...]]) -> np.ndarray:
     """Each item's set to pick its reader from where some ranks cannot read some files: of an
     item of such a file, those of its needers that can (`needed`: their set), else every rank
     that can. The new sets are added to `pick_from`, numbered after the others."""
-    sets, numbers, after = needed.copy(), {}, max(pick_from, default=-1) + 1
+    sets, numbers = needed.copy(), {}
     for k, (f, s) in enumerate(zip(file.tolist(), needed.tolist())):
         can = able.get(files[f])
         if can is None:
             continue
         if not can:
             raise LoadMismatchError(f"{files[f]} is needed but no rank of this job can read it")
-        sets[k] = numbers.setdefault(tuple(r for r in pick_from[s] if r in can) or can, after + len(numbers))
-    pick_from.update((number, ranks) for ranks, number in numbers.items())
+        ranks = tuple(r for r in pick_from[s] if r in can) or can
+        if ranks not in numbers:
+            numbers[ranks] = pick_from.add(ranks)
+        sets[k] = numbers[ranks]
     return sets
 
 
-def _needer_sets(group: np.ndarray, cut: np.ndarray, stop: np.ndarray, groups: _Groups, members: bool
-                 ) -> Tuple[np.ndarray, Dict[int, Tuple[Tuple[int, ...], frozenset]]]:
+def _needer_sets(group: np.ndarray, cut: np.ndarray, stop: np.ndarray, groups: _Groups
+                 ) -> Tuple[np.ndarray, "_NeederSets"]:
     """Each item's needer set, by number (its group's where one group needs it, as mostly), and
-    the ranks of each set some item needs, by number (with `members`, also as a set)."""
+    the sets."""
     one = stop - cut == 1
     sets = np.where(one, group[cut], -1)
     numbers: Dict[Tuple[int, ...], int] = {}
     for k in np.flatnonzero(~one).tolist():
         sets[k] = numbers.setdefault(tuple(group[cut[k]:stop[k]].tolist()), len(groups.count) + len(numbers))
-    used = np.unique(sets[one]).tolist()
-    keyed = [((g,), g) for g in used] + list(numbers.items())
-    needers: Dict[int, Tuple[Tuple[int, ...], frozenset]] = {}
-    for by_groups, number in keyed:
-        ranks = groups.ranks(by_groups)
-        needers[number] = (ranks, frozenset(ranks) if members else frozenset())
-    return sets, needers
+    return sets, _NeederSets(groups, {number: key for key, number in numbers.items()})
+
+
+class _NeederSets(dict):
+    """The ranks of each needer set by number, made when first asked (a rank deals the sets linked
+    to its own alone): group g's holders are set g; sets of several groups (`several`: their
+    groups) are numbered after the groups, and sets of ranks added later (`_able_sets`) after those."""
+
+    def __init__(self, groups: _Groups, several: Dict[int, Tuple[int, ...]]):
+        super().__init__()
+        self.groups, self.several = groups, several
+        self.grouped = self.numbered = len(groups.count) + len(several)  # the sets of groups; all
+
+    def __missing__(self, number: int) -> Tuple[int, ...]:
+        ranks = self[number] = self.groups.ranks(self.several.get(number, (number,)))
+        return ranks
+
+    def add(self, ranks: Tuple[int, ...]) -> int:
+        """A set of ranks, numbered after the others: its number."""
+        self[self.numbered] = ranks
+        self.numbered += 1
+        return self.numbered - 1
+
+    def holding(self, rank: int) -> List[int]:
+        """The numbers of the sets of groups that `rank` is in."""
+        runs = self.groups.runs
+        mine = set(runs.group[slice(*np.searchsorted(runs.rank, [rank, rank + 1]).tolist())].tolist())
+        return sorted(mine) + [n for n, groups in self.several.items() if not mine.isdisjoint(groups)]
+
+    def members(self, numbers: List[int]) -> Tuple[np.ndarray, np.ndarray]:
+        """Every rank of sets `numbers` (ascending), on arrays: each one's position in `numbers`,
+        and the rank."""
+        grouped = int(np.searchsorted(numbers, self.grouped))  # the sets of groups come first
+        lists = [self.several.get(n, (n,)) for n in numbers[:grouped]]
+        of = np.repeat(np.arange(grouped), [len(g) for g in lists])
+        group = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=len(of))
+        order, bounds = self.groups.runs.holders
+        size = self.groups.size[group]
+        added = [self[n] for n in numbers[grouped:]]
+        of = np.concatenate([np.repeat(of, size), np.repeat(np.arange(grouped, len(numbers)), list(map(len, added)))])
+        ranks = np.concatenate([self.groups.runs.rank[order[spans(bounds[group], size)]],
+                                np.fromiter(itertools.chain.from_iterable(added), dtype=np.int64)])
+        return of, ranks
