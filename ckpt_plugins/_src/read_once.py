@@ -223,9 +223,7 @@ class _Groups:
 
     def ranks(self, groups: Sequence[int]) -> Tuple[int, ...]:
         """The ranks holding `groups`, group by group."""
-        order, bounds = self.runs.holders
-        return tuple(itertools.chain.from_iterable(self.runs.rank[order[bounds[g]:bounds[g + 1]]].tolist()
-                                                   for g in groups))
+        return tuple(self.runs.ranks_holding(groups).tolist())
 
 
 @dataclass
@@ -429,7 +427,7 @@ class _NeederSets(dict):
     def holding(self, rank: int) -> List[int]:
         """The numbers of the sets of groups that `rank` is in."""
         runs = self.groups.runs
-        mine = set(runs.group[slice(*np.searchsorted(runs.rank, [rank, rank + 1]).tolist())].tolist())
+        mine = set(runs.group[runs.spans_of(rank)].tolist())
         return sorted(mine) + [n for n, groups in self.several.items() if not mine.isdisjoint(groups)]
 
     def members(self, numbers: List[int]) -> Tuple[np.ndarray, np.ndarray]:
@@ -439,10 +437,9 @@ class _NeederSets(dict):
         lists = [self.several.get(n, (n,)) for n in numbers[:grouped]]
         of = np.repeat(np.arange(grouped), [len(g) for g in lists])
         group = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=len(of))
-        order, bounds = self.groups.runs.holders
-        size = self.groups.size[group]
         added = [self[n] for n in numbers[grouped:]]
-        of = np.concatenate([np.repeat(of, size), np.repeat(np.arange(grouped, len(numbers)), list(map(len, added)))])
-        ranks = np.concatenate([self.groups.runs.rank[order[spans(bounds[group], size)]],
+        of = np.concatenate([np.repeat(of, self.groups.size[group]),
+                             np.repeat(np.arange(grouped, len(numbers)), list(map(len, added)))])
+        ranks = np.concatenate([self.groups.runs.ranks_holding(group),
                                 np.fromiter(itertools.chain.from_iterable(added), dtype=np.int64)])
         return of, ranks

@@ -66,9 +66,19 @@ class RunGroups:
         """The positions in `rank`'s list of the items it sends the others: its share of each of
         its runs (`shares`). All that others need of its list, since the other holders' runs
         are alike."""
-        mine = np.arange(*np.searchsorted(self.rank, [rank, rank + 1]).tolist())
+        mine = self.spans_of(rank)
         first, count = self.shares
         return spans(self.start[mine] + first[mine], count[mine])
+
+    def spans_of(self, rank: int) -> slice:
+        """Rank `rank`'s spans."""
+        return slice(*np.searchsorted(self.rank, [rank, rank + 1]).tolist())
+
+    def ranks_holding(self, groups: np.ndarray) -> np.ndarray:
+        """The ranks holding each of `groups`, in rank order, one group after the other."""
+        order, bounds = self.holders
+        groups = np.asarray(groups, dtype=np.int64)
+        return self.rank[order[spans(bounds[groups], bounds[groups + 1] - bounds[groups])]]
 
     def held(self) -> np.ndarray:
         """How many items each rank holds."""
