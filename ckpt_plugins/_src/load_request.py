@@ -93,8 +93,16 @@ class LoadRequests:
             missing=sorted({k for r in np.flatnonzero(missing).tolist()
                             for k in json.loads(joined.buffer[missed[r]:missed[r] + missing[r]])}),
             hosts=[None if n < 0 else name.decode() for n, name in zip(host.tolist(), names)],
-            paths=sorted({p.decode() for p in joined.strings(paths, path).tolist()}),
+            paths=_distinct(joined.strings(paths, path)),
             reads=RankReads.unpacked(joined, at, reads, groups.held()) if inline else None)
+
+
+def _distinct(names: np.ndarray) -> List[str]:
+    """The distinct strings of a bytes array, sorted; mostly one, every rank's (decoded only where
+    they differ from the first rank's)."""
+    if not len(names):
+        return []
+    return sorted({n.decode() for n in names[names != names[0]].tolist()} | {names[0].decode()})
 
 
 @dataclass

@@ -267,7 +267,8 @@ def assign_transfers(reads: RankReads, runs: RunGroups, files: Sequence[str], ra
     """
     groups = _Groups.of(runs)
     rows = _Rows.of(reads, groups)
-    found = {files[i]: readers(files[i]) for i in np.unique(rows.file).tolist()} if readers is not None else {}
+    used = np.flatnonzero(np.bincount(rows.file, minlength=len(files))).tolist() if readers is not None else []
+    found = {files[i]: readers(files[i]) for i in used}  # files counted, not sorted: at scale, millions of rows
     able = {f: tuple(sorted(r)) for f, r in found.items() if r is not None}  # the files only some ranks can read
     load = LeastLoaded(runs.world)
     order, item_of = _by_item(rows)
