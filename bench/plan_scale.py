@@ -336,8 +336,9 @@ def run(layout, world: int) -> dict:
             mine.append(part_plans[id(part)])
         return RankReads.joined([m[0] for m in mine]), [r for m in mine for r in m[1]]
 
-    def load_plan(rank=None):  # the read-once assignment over what every rank sent (each rank runs it)
-        return assign_transfers(sent_reads, sent_runs, files, rank)
+    def load_plan(rank=None):  # the read-once assignment over what every rank sent (each rank runs it), asking
+        # which ranks can read each file as a load does (a shared filesystem's answer: all of them)
+        return assign_transfers(sent_reads, sent_runs, files, rank, readers=lambda name: None)
 
     stage("save plan")
     t0 = time.perf_counter()
