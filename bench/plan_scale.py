@@ -336,9 +336,9 @@ def run(layout, world: int) -> dict:
             mine.append(part_plans[id(part)])
         return RankReads.joined([m[0] for m in mine]), [r for m in mine for r in m[1]]
 
-    def load_plan(rank=None):  # the read-once assignment over what every rank sent (each rank runs it), asking
-        # which ranks can read each file as a load does (a shared filesystem's answer: all of them)
-        return assign_transfers(sent_reads, sent_runs, files, rank, readers=lambda name: None)
+    def load_plan(rank=None):  # the read-once assignment over what every rank sent (each rank runs it), as on a
+        # shared filesystem, where every rank can read every file (`Storage.restricted`)
+        return assign_transfers(sent_reads, sent_runs, files, rank)
 
     stage("save plan")
     t0 = time.perf_counter()

@@ -192,7 +192,8 @@ class Load:
 
     def _read(self, plan: LoadPlan, metadata, hosts: List[Optional[str]]) -> int:
         coord = self.coord
-        assignment = assign_transfers(self.sent_reads, self.runs, self.files, coord.rank, readers=self.storage.readers)
+        readers = self.storage.readers if self.storage.restricted else None
+        assignment = assign_transfers(self.sent_reads, self.runs, self.files, coord.rank, readers=readers)
         shared = assignment.transfers
         mine = {StoredItem(r.stored.file, r.stored.offset) for r in plan.reads}
         reads = plan.reads + _passed_on(metadata, shared, mine, coord.rank)

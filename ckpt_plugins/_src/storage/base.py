@@ -78,6 +78,12 @@ class Storage(ABC):
         bytes on (the memory tier's files live on some hosts only)."""
         return None
 
+    @property
+    def restricted(self) -> bool:
+        """Whether `readers` may name some ranks only: a load asks it about each file it reads
+        only then (at scale, hundreds of thousands of files)."""
+        return False
+
     @abstractmethod
     def put_atomic(self, name: str, data: bytes) -> None:
         """Write a small file so that readers see either nothing or all of it."""

@@ -30,6 +30,10 @@ class TierStorage(Storage):
     def readers(self, name: str) -> Optional[Sequence[int]]:
         return self.holders.get(name, ())
 
+    @property
+    def restricted(self) -> bool:
+        return True
+
     def read_into(self, name: str, offset: int, buffer) -> None:
         if name in self.small:
             view = memoryview(buffer).cast("B")
