@@ -88,13 +88,19 @@ class Regions:
         return len(self.start)
 
     def __getitem__(self, i: int) -> Tuple[Box, ...]:
-        values = self.data[self.start[i]:self.end[i]].tolist()
-        out, at = [], 0
-        while at < len(values):
-            n = values[at]
-            out.append((tuple(values[at + 1:at + 1 + n]), tuple(values[at + 1 + n:at + 1 + 2 * n])))
-            at += 1 + 2 * n
-        return tuple(out)
+        return _boxes(self.data[self.start[i]:self.end[i]].tolist())
+
+    def many(self, rows: Sequence[int]) -> List[Tuple[Box, ...]]:
+        """`self[i]` for each of `rows`, each distinct list decoded once: an item's needers
+        mostly want alike (at scale, thousands of lists per rank)."""
+        data, decoded, out = memoryview(self.data), {}, []
+        for a, b in zip(self.start[rows].tolist(), self.end[rows].tolist()):
+            raw = data[a:b].tobytes()
+            boxes = decoded.get(raw)
+            if boxes is None:
+                boxes = decoded[raw] = _boxes(self.data[a:b].tolist())
+            out.append(boxes)
+        return out
 
     @property
     def lengths(self) -> np.ndarray:
@@ -113,6 +119,16 @@ class Regions:
         """Several lists' regions, one after the other."""
         return cls.packed(np.concatenate([p.values() for p in parts] + [np.zeros(0, dtype=np.int64)]),
                           np.concatenate([p.lengths for p in parts] + [np.zeros(0, dtype=np.int64)]))
+
+
+def _boxes(values: List[int]) -> Tuple[Box, ...]:
+    """Regions from their values: each its number of dimensions, offsets, lengths."""
+    out, at = [], 0
+    while at < len(values):
+        n = values[at]
+        out.append((tuple(values[at + 1:at + 1 + n]), tuple(values[at + 1 + n:at + 1 + 2 * n])))
+        at += 1 + 2 * n
+    return tuple(out)
 
 
 @dataclass
@@ -271,28 +287,45 @@ def assign_transfers(reads: RankReads, runs: RunGroups, files: Sequence[str], ra
     found = {files[i]: readers(files[i]) for i in used}  # files counted, not sorted: at scale, millions of rows
     able = {f: tuple(sorted(r)) for f, r in found.items() if r is not None}  # the files only some ranks can read
     load = LeastLoaded(runs.world)
-    order, item_of = _by_item(rows)
+    order, item_of = _by_item(rows, np.flatnonzero(_maybe_shared(rows, groups, files, able)))
     apart = _alone(rows, groups, files, order, item_of, able)[item_of]
-    if apart.any():
-        got = np.bincount(groups.leader[rows.group[order[apart]]], weights=(rows.end - rows.start)[order[apart]],
-                          minlength=runs.world)
+    alone = np.ones(len(rows.group), dtype=bool)
+    alone[order[~apart]] = False
+    if alone.any():
+        got = np.bincount(groups.leader[rows.group[alone]], weights=(rows.end - rows.start)[alone], minlength=runs.world)
         load.load = got.astype(np.int64).tolist()
     return _assign(rows, groups, reads.regions, files, order[~apart], item_of[~apart], able, load, rank)
 
 
-def _by_item(rows: _Rows) -> Tuple[np.ndarray, np.ndarray]:
-    """The rows sorted by stored item (`order`), and each sorted row's item, numbered in order."""
-    width = int(rows.offset.max()).bit_length() if len(rows.offset) else 0
-    if int(rows.file.max(initial=0)).bit_length() + width < 63:
-        key = (rows.file << width) | rows.offset
-        order = np.argsort(key, kind="stable")  # rows come in long sorted runs, which a merge sort finds
-        key = key[order]
+def _maybe_shared(rows: _Rows, groups: _Groups, files: Sequence[str], able: Dict[str, Tuple[int, ...]]) -> np.ndarray:
+    """Per row: whether another rank may need its item, or its rank may be unable to read it: its
+    group has several holders, or its file is read by several groups, or only by some ranks. The
+    other rows (at scale, most: each rank's optimizer shards) are read alone without sorting
+    them: a rank reads a stored item once (`plan_load`), so no other row names theirs."""
+    count = np.bincount(rows.file, minlength=len(files))
+    # a file's rows are of one group exactly when each row's group is their mean (exact in float64)
+    mean = np.bincount(rows.file, weights=rows.group, minlength=len(files)) / np.maximum(count, 1)
+    mixed = np.bincount(rows.file, weights=mean[rows.file] != rows.group, minlength=len(files)) > 0
+    maybe = (groups.size > 1)[rows.group] | mixed[rows.file]
+    if able:
+        maybe |= np.isin(rows.file, [i for i, f in enumerate(files) if f in able])
+    return maybe
+
+
+def _by_item(rows: _Rows, among: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Rows `among` sorted by stored item (`order`), and each sorted row's item, numbered in order."""
+    file, offset = rows.file[among], rows.offset[among]
+    width = int(offset.max()).bit_length() if len(offset) else 0
+    if int(file.max(initial=0)).bit_length() + width < 63:
+        key = (file << width) | offset
+        by = np.argsort(key, kind="stable")  # rows come in long sorted runs, which a merge sort finds
+        key = key[by]
         first = key[1:] != key[:-1]
     else:
-        order = np.lexsort((rows.offset, rows.file))
-        file, offset = rows.file[order], rows.offset[order]
+        by = np.lexsort((offset, file))
+        file, offset = file[by], offset[by]
         first = (file[1:] != file[:-1]) | (offset[1:] != offset[:-1])
-    return order, np.concatenate([[0], np.cumsum(first)]) if len(order) else order
+    return among[by], np.concatenate([[0], np.cumsum(first)]) if len(by) else by
 
 
 def _alone(rows: _Rows, groups: _Groups, files: Sequence[str], order: np.ndarray, item_of: np.ndarray,
@@ -343,12 +376,14 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
     tag_of[tags] = np.arange(len(tags))
     if rank is not None:  # only the transfers it reads or needs
         tags = tags[wanted[tags] | (readers[tags] == rank)]
-    group, user, bounds, size = group.tolist(), users.tolist(), stop.tolist(), groups.size.tolist()
+    group, bounds, size = group.tolist(), stop.tolist(), groups.size.tolist()
+    kept = [(k, bounds[k - 1] if k else 0, bounds[k]) for k in tags.tolist()]
+    asked = iter(regions.many(np.concatenate([users[a:b] for _, a, b in kept] + [users[:0]])))
     out: Dict[StoredItem, Transfer] = {}
-    for k in tags.tolist():
-        at, wants = bounds[k - 1] if k else 0, []
-        for g, i in zip(group[at:bounds[k]], user[at:bounds[k]]):  # a group's holders want alike
-            wants += [regions[i]] * size[g]
+    for k, a, b in kept:
+        wants = []
+        for g in group[a:b]:  # a group's holders want alike
+            wants += [next(asked)] * size[g]
         out[StoredItem(files[int(file[k])], int(offset[k]))] = Transfer(
             int(readers[k]), pick_from[int(needed[k])], tuple(wants), int(starts[k]), int(ends[k]), int(tag_of[k]))
     return Assignment(out, len(readers))
