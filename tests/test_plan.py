@@ -103,6 +103,8 @@ def test_requests_travel_as_bytes_and_join_as_they_were():
             [R("b", 2**40, 5, 2**35, (((0,), (2**33,)), ((), ()))), R("a", 7, 1, 2, ())],  # int64 regions
             [R("a", 3, 0, 1, ()), R("b", 0, 0, 9, (((0, 0, 0), (1, 2, 3)),))]]
     reads = [RankReads.of(q, {"a": 0, "b": 1}) for q in sent]
+    with pytest.raises(LoadMismatchError, match="reads of b, which the checkpoint's file table lacks"):
+        RankReads.of(sent[2], {"a": 0, "c": 1})
     blobs = [r.packed() for r in reads]
     assert all(type(pickle.loads(pickle.dumps(b))) is bytes for b in blobs)  # nothing to rebuild but bytes
     joined = Joined(blobs, "read requests")

@@ -141,7 +141,8 @@ class RankReads:
     @classmethod
     def of(cls, requests: Sequence[ReadRequest], files: Dict[str, int]) -> "RankReads":
         """`requests` by column; `files`: the file table, each name's index."""
-        missing = sorted({r.file for r in requests} - files.keys())
+        # not `set - files.keys()`: that walks the whole table (262,144 files at 131,072 ranks)
+        missing = sorted(f for f in {r.file for r in requests} if f not in files)
         if missing:
             raise LoadMismatchError(f"reads of {missing[0]}, which the checkpoint's file table lacks")
         columns = np.array([(files[r.file], r.offset, r.start, r.end) for r in requests], dtype=np.int64)
