@@ -21,6 +21,7 @@ from .gcpause import gc_paused
 from .packing import Joined, aligned, padded, spans
 from .plan import LeastLoaded, ReadItem
 from .runs import RunGroups
+from .sorting import lexsorted
 
 
 class StoredItem(NamedTuple):
@@ -316,16 +317,9 @@ def _maybe_shared(rows: _Rows, groups: _Groups, files: Sequence[str], able: Dict
 def _by_item(rows: _Rows, among: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Rows `among` sorted by stored item (`order`), and each sorted row's item, numbered in order."""
     file, offset = rows.file[among], rows.offset[among]
-    width = int(offset.max()).bit_length() if len(offset) else 0
-    if int(file.max(initial=0)).bit_length() + width < 63:
-        key = (file << width) | offset
-        by = np.argsort(key, kind="stable")  # rows come in long sorted runs, which a merge sort finds
-        key = key[by]
-        first = key[1:] != key[:-1]
-    else:
-        by = np.lexsort((offset, file))
-        file, offset = file[by], offset[by]
-        first = (file[1:] != file[:-1]) | (offset[1:] != offset[:-1])
+    by = lexsorted((offset, file))
+    file, offset = file[by], offset[by]
+    first = (file[1:] != file[:-1]) | (offset[1:] != offset[:-1])
     return among[by], np.concatenate([[0], np.cumsum(first)]) if len(by) else by
 
 
@@ -344,7 +338,7 @@ def _alone(rows: _Rows, groups: _Groups, files: Sequence[str], order: np.ndarray
     several = (np.bincount(item_of, minlength=items) > 1)[item_of]
     if several.any():  # the rows of items several rows need, by range: an overlap makes one shared
         sub, its = order[several], item_of[several]
-        by = np.lexsort((rows.end[sub], rows.start[sub], its))
+        by = lexsorted((rows.end[sub], rows.start[sub], its))
         sub, its = sub[by], its[by]
         overlap = (rows.end[sub][:-1] > rows.start[sub][1:]) & (its[1:] == its[:-1])
         bad |= np.bincount(its[1:], weights=overlap, minlength=items) > 0
@@ -356,14 +350,14 @@ def _assign(rows: _Rows, groups: _Groups, regions: Regions, files: Sequence[str]
             rank: Optional[int]) -> Assignment:
     """Readers for the shared items (`shared_rows`, of items `shared_item`), largest first, then
     by item (file, offset): each the least loaded of its needers (able to read it)."""
-    by = np.lexsort((shared_rows, rows.group[shared_rows], shared_item))  # each item's rows in the groups' order
+    by = lexsorted((shared_rows, rows.group[shared_rows], shared_item))  # each item's rows in the groups' order
     users, item = shared_rows[by], shared_item[by]
     cut = np.flatnonzero(np.diff(item, prepend=-1)) if len(item) else np.zeros(0, dtype=np.int64)
     stop = np.append(cut[1:], len(users)).astype(np.int64)
     starts = np.minimum.reduceat(rows.start[users], cut) if len(cut) else cut
     ends = np.maximum.reduceat(rows.end[users], cut) if len(cut) else cut
     file, offset = rows.file[users[cut]], rows.offset[users[cut]]
-    tags = np.lexsort((offset, file, starts - ends))  # the items, largest first
+    tags = lexsorted((offset, file, starts - ends))  # the items, largest first
     group = rows.group[users]
     needed, pick_from = _needer_sets(group, cut, stop, groups)
     sets = _able_sets(needed, pick_from, file, files, able) if able else needed

@@ -25,6 +25,7 @@ from .hostmem import DIRECT_MIN, PAGE
 from .packing import aligned, spans
 from .plan import LeastLoaded, TensorSpec
 from .runs import Run, RunGroups, distinct_rows, runs_of
+from .sorting import lexsorted
 from .spec_table import SpecTable
 
 ITEM_ALIGN = 64  # every item starts 64-byte aligned: typed views stay aligned
@@ -71,12 +72,12 @@ def placement(rank: np.ndarray, nbytes: np.ndarray, files: int) -> Tuple[np.ndar
     .., files - 1, files - 1, .., 0, ...), one after the other in each file, 64-byte aligned
     (page aligned from `PAGE_ITEM_BYTES`). Returns the items' order (rank by rank, file by file,
     offset by offset), and in that order their file (index among the rank's) and offset."""
-    by_size = np.lexsort((-nbytes, rank))
+    by_size = lexsorted((-nbytes, rank))
     ranks = rank[by_size]
     nth = np.arange(len(ranks)) - np.searchsorted(ranks, ranks)  # each item's place among its rank's
     turn, seat = np.divmod(nth, files)
     dealt = np.where(turn % 2 == 0, seat, files - 1 - seat)
-    within = np.lexsort((nth, dealt, ranks))
+    within = lexsorted((nth, dealt, ranks))
     order, file = by_size[within], dealt[within]
     sizes = nbytes[order]
     align = np.where(sizes >= PAGE_ITEM_BYTES, PAGE, ITEM_ALIGN)
@@ -210,7 +211,7 @@ class SavePlan:
             entry = StoredBox(name, offset, nbytes, [], 0, [], False, tuple(offsets[:n]), tuple(lengths[:n]))
             stored[rank].append(entry)
             entries.append(entry)
-        for i in np.lexsort([t.offsets[:, d] for d in reversed(range(t.offsets.shape[1]))] + [t.key]).tolist():
+        for i in lexsorted([t.offsets[:, d] for d in reversed(range(t.offsets.shape[1]))] + [t.key]).tolist():
             metas[keys[i]].boxes.append(entries[i])
         metadata = Metadata(tensors=dict(sorted(tensors.items())), objects={}, files=dict(sorted(self.files.items())),
                             aliases=dict(self.aliases), world_size=len(self.rank_bytes),
