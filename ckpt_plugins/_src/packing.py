@@ -39,22 +39,21 @@ def frame_bytes(longest: int) -> int:
 def framed(data: bytes, stride: int) -> bytearray:
     """`data` as one rank's frame of a gathered buffer: its length, it, zeros up to `stride` bytes."""
     out = bytearray(stride)
-    _frame(out, 0, data)
+    out[:FRAME] = len(data).to_bytes(FRAME, "little")
+    out[FRAME:FRAME + len(data)] = data
     return out
 
 
 def gathered(blobs: Sequence[bytes]) -> bytearray:
     """Every rank's message as a gather delivers them: a frame each (`framed`), one after the other."""
-    stride = frame_bytes(max(map(len, blobs), default=0))
+    sizes = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
+    stride = frame_bytes(int(sizes.max(initial=0)))
     out = bytearray(stride * len(blobs))
-    for at, data in zip(range(0, len(out), stride), blobs):
-        _frame(out, at, data)
+    np.frombuffer(out, dtype="<i8")[::stride // 8] = sizes  # the lengths at once: a scatter frames one per rank
+    view = memoryview(out)
+    for at, data in zip(range(FRAME, len(out), stride), blobs):
+        view[at:at + len(data)] = data
     return out
-
-
-def _frame(out: bytearray, at: int, data: bytes) -> None:
-    out[at:at + FRAME] = len(data).to_bytes(FRAME, "little")
-    out[at + FRAME:at + FRAME + len(data)] = data
 
 
 def unframed(buffer: bytearray, ranks: int) -> Tuple[np.ndarray, np.ndarray]:

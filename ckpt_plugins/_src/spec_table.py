@@ -119,7 +119,9 @@ def _padded(values: np.ndarray, counts: np.ndarray, taken: np.ndarray, width: in
     """Row i's first `taken[i]` of its `counts[i]` values, padded with `pad` to `width` columns."""
     out = np.full((len(counts), width), pad, dtype=np.int64)
     start = np.cumsum(counts) - counts
-    for n in range(1, width + 1):  # rows of one length at a time: a few
+    for n in range(1, width + 1):  # rows of one length at a time (a few), a column at a time
         rows = np.flatnonzero(taken == n)
-        out[rows, :n] = values[start[rows, None] + np.arange(n)]
+        first = start[rows]
+        for j in range(n):
+            out[rows, j] = values[first + j]
     return out
