@@ -595,11 +595,14 @@ def test_stored_keys_and_files_are_numbered_alike_from_a_decoded_table_and_a_wri
 
 def test_lexsorted_orders_rows_as_lexsort_does_packed_or_not():
     """One stable sort of the keys packed into an int64 gives `np.lexsort`'s order, ties kept in
-    place, negative keys included; keys whose bits do not fit in 63 are lexsorted as they are."""
-    from ckpt_plugins._src.sorting import lexsorted
+    place, negative keys included; keys whose bits do not fit in 63 are lexsorted as they are. And
+    `firsts` finds each value's first place in a sorted column, as a binary search does."""
+    from ckpt_plugins._src.sorting import firsts, lexsorted
     rng = np.random.default_rng(0)
     small = [rng.integers(-3, 4, 500), rng.integers(0, 2, 500).astype(bool), rng.integers(0, 5, 500)]
     wide = [rng.integers(-2**40, 2**40, 500), rng.integers(0, 3, 500), rng.integers(0, 2**30, 500)]
     for keys in small, wide, small[:1], [np.sort(small[2])]:
         assert (lexsorted(keys) == np.lexsort(keys)).all()
     assert lexsorted([np.zeros(0, dtype=np.int64)] * 2).tolist() == []
+    runs = np.sort(small[2])
+    assert (firsts(runs) == np.searchsorted(runs, runs)).all() and firsts(runs[:0]).tolist() == []

@@ -25,7 +25,7 @@ from .hostmem import DIRECT_MIN, PAGE
 from .packing import aligned, spans
 from .plan import LeastLoaded, TensorSpec
 from .runs import Run, RunGroups, distinct_rows, runs_of
-from .sorting import lexsorted
+from .sorting import firsts, lexsorted
 from .spec_table import SpecTable
 
 ITEM_ALIGN = 64  # every item starts 64-byte aligned: typed views stay aligned
@@ -74,7 +74,7 @@ def placement(rank: np.ndarray, nbytes: np.ndarray, files: int) -> Tuple[np.ndar
     offset by offset), and in that order their file (index among the rank's) and offset."""
     by_size = lexsorted((-nbytes, rank))
     ranks = rank[by_size]
-    nth = np.arange(len(ranks)) - np.searchsorted(ranks, ranks)  # each item's place among its rank's
+    nth = np.arange(len(ranks)) - firsts(ranks)  # each item's place among its rank's
     turn, seat = np.divmod(nth, files)
     dealt = np.where(turn % 2 == 0, seat, files - 1 - seat)
     within = lexsorted((nth, dealt, ranks))
@@ -84,7 +84,7 @@ def placement(rank: np.ndarray, nbytes: np.ndarray, files: int) -> Tuple[np.ndar
     padded = -(-sizes // align) * align
     ends = np.cumsum(padded)
     segment = rank[order] * files + file
-    first = np.searchsorted(segment, segment)  # each item's file's first item
+    first = firsts(segment)  # each item's file's first item
     return order, file, ends - padded - (ends - padded)[first]
 
 

@@ -18,3 +18,11 @@ def lexsorted(keys: Sequence[np.ndarray]) -> np.ndarray:
     for k, (low, _), width in zip(reversed(keys), reversed(spans), reversed(widths)):
         packed = (packed << width) | (np.asarray(k, dtype=np.int64) - low)
     return np.argsort(packed, kind="stable")
+
+
+def firsts(values: np.ndarray) -> np.ndarray:
+    """For sorted `values`, each one's index of the first equal to it (`np.searchsorted(values,
+    values)`), in one pass instead of a binary search each."""
+    new = np.ones(len(values), dtype=bool)
+    np.not_equal(values[1:], values[:-1], out=new[1:])
+    return np.maximum.accumulate(np.where(new, np.arange(len(values)), 0))
