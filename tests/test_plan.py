@@ -606,3 +606,61 @@ def test_lexsorted_orders_rows_as_lexsort_does_packed_or_not():
     assert lexsorted([np.zeros(0, dtype=np.int64)] * 2).tolist() == []
     runs = np.sort(small[2])
     assert (firsts(runs) == np.searchsorted(runs, runs)).all() and firsts(runs[:0]).tolist() == []
+
+
+def test_random_layouts_write_each_box_once_from_a_rank_holding_it():
+    """Replicated, sharded and big split tensors, held in runs alike and in different orders (so
+    one box is held by several run groups), a box one rank holds twice: every tensor is tiled by
+    its stored boxes, each written by a rank whose spec at the write's index holds it, and
+    planning by runs gives the plan planned spec by spec."""
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        world = int(rng.integers(1, 6))
+        tensors = [(f"model/t{i}", (int(rng.choice([1, 8, 4096, 8192])), int(rng.choice([3, 2048, 4096]))))
+                   for i in range(int(rng.integers(1, 5)))] + [("model/b", (int(rng.integers(1, 9)),))]
+        parts = [int(rng.choice([1, 1, min(2, world), world])) for _ in tensors]  # replicated, or sharded in rows
+        twice = rng.random() < 0.3  # the last rank holds its first spec twice
+        ranks = []
+        for r in range(world):
+            specs = []
+            for (key, shape), n in zip(tensors, parts):
+                rows = -(-shape[0] // n)
+                if r % n * rows < shape[0]:
+                    lengths = (min(rows, shape[0] - r % n * rows),) + shape[1:]
+                    specs.append(spec(key, shape, (r % n * rows,) + (0,) * (len(shape) - 1), lengths))
+            specs = specs[::-1] if rng.random() < 0.3 else specs
+            specs += [spec(f"optim/r{r}", (int(rng.integers(1, 50)),))] + specs[:1] * (twice and r == world - 1)
+            ranks.append(specs)
+        files = int(rng.integers(1, 3))
+        plan = planned(ranks, files, digests=[spec_runs(r) for r in ranks])
+        if not twice:  # a box one rank holds twice: either of its places may be the one written
+            by_specs = planned(ranks, files)
+            assert plan.metadata == by_specs.metadata and plan.writes == by_specs.writes
+        key_of = {(b.file, b.offset): k for k, t in plan.metadata.tensors.items() for b in t.boxes}
+        for r, writes in enumerate(plan.writes):
+            for w in writes:
+                held = ranks[r][w.index]
+                assert key_of[w.file, w.offset] == held.key
+                assert all(o <= a and a + n <= o + m for o, m, a, n in zip(held.offsets, held.lengths, *w.box))
+        for key, t in plan.metadata.tensors.items():
+            boxes = [(b.offsets, b.lengths) for b in t.boxes]
+            assert sum(int(np.prod(n)) for _, n in boxes) == int(np.prod(t.shape)), key
+            assert all(any(a + n <= c or c + m <= a for a, n, c, m in zip(*x, *y))
+                       for i, x in enumerate(boxes) for y in boxes[:i]), key
+
+
+def test_distinct_numbers_values_as_np_unique_does():
+    """`distinct` is `np.unique`'s inverse and first index, for int64 (negative included) and
+    uint64 columns, with values whose high bits tie (sorted by their row numbers first) among
+    them; `first_met` renumbers them in the order the rows meet them."""
+    from ckpt_plugins._src.sorting import distinct, first_met
+    rng = np.random.default_rng(2)
+    hashes = rng.integers(-2**63, 2**63 - 1, 300, dtype=np.int64)[rng.integers(0, 300, 3000)]
+    tied = (rng.integers(0, 4, 3000).astype(np.uint64) << np.uint64(60)) | rng.integers(0, 6, 3000).astype(np.uint64)
+    for values in hashes, tied, tied.view(np.int64), hashes[:1], hashes[:0]:
+        number, first = distinct(values)
+        _, index, inverse = np.unique(values, return_index=True, return_inverse=True)
+        assert (number == inverse.reshape(-1)).all() and (first == index).all()
+        met, firsts_met = first_met(number, first)
+        assert (firsts_met == np.sort(index)).all() and (values[firsts_met][met] == values).all()
+        assert (met[firsts_met] == np.arange(len(index))).all()

@@ -14,6 +14,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from .packing import spans
+from .sorting import distinct, first_met
 
 DIGEST_BYTES = 32
 
@@ -143,16 +144,12 @@ def distinct_rows(columns: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Each row's number among the distinct rows of `columns` (int64, as first met), and each
     distinct row's first. On a 64-bit hash of each row, checked: rows that share a hash and differ
     are sorted on all their columns instead (a hash sorts many times faster than wide rows)."""
-    _, first, of = np.unique(_row_hash(columns), return_index=True, return_inverse=True)
-    of = of.reshape(-1)
+    of, first = distinct(_row_hash(columns))
     if (columns != columns[first[of]]).any():
         rows = np.ascontiguousarray(columns, dtype=np.int64)
         _, first, of = np.unique(rows.view(f"V{rows.shape[1] * 8}").reshape(-1), return_index=True,
                                  return_inverse=True)
-    by_first = np.argsort(first)  # numbered as first met: the rows' order, rank by rank, is kept
-    number = np.empty_like(by_first)
-    number[by_first] = np.arange(len(first))
-    return number[of.reshape(-1)], first[by_first]
+    return first_met(of.reshape(-1), first)  # the rows' order, rank by rank, is kept
 
 
 def _row_hash(columns: np.ndarray) -> np.ndarray:

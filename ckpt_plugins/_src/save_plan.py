@@ -3,14 +3,14 @@ every distinct box is assigned to exactly one of the ranks holding it, balancing
 names and byte offsets are fixed here.
 
 At scale there are millions of boxes, most of them held by one rank alone (optimizer shards):
-those are planned on arrays (`SpecTable`'s columns), and only the boxes several ranks hold
-(data-parallel replicas' weights) one by one. The plan keeps its writes as columns too; each
+all are planned on arrays (`SpecTable`'s columns); only the dealing of the boxes several ranks
+hold (data-parallel replicas' weights) to the least loaded of them goes one by one. The plan
+keeps its writes as columns too; each
 rank's `WriteItem`s and the metadata's `StoredBox`es are built when asked for (a rank builds its
 own; the coordinator the metadata, at its first commit)."""
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -25,7 +25,7 @@ from .hostmem import DIRECT_MIN, PAGE
 from .packing import aligned, spans
 from .plan import LeastLoaded, TensorSpec
 from .runs import Run, RunGroups, distinct_rows, runs_of
-from .sorting import firsts, lexsorted
+from .sorting import distinct, firsts, lexsorted
 from .spec_table import SpecTable
 
 ITEM_ALIGN = 64  # every item starts 64-byte aligned: typed views stay aligned
@@ -260,10 +260,8 @@ def plan_save(table: SpecTable, runs: RunGroups, files_per_rank: int = 1,
                     nbytes=nbytes[alone], offsets=table.offsets[mine], lengths=table.lengths[mine])
     load = LeastLoaded(runs.world, np.bincount(single.rank, weights=single.nbytes,
                                                minlength=runs.world).astype(np.int64))
-    shared = _shared(table, rows, runs, keys, live, box, np.flatnonzero(kept & ~alone), nbytes)
-    assigned: Dict[int, _RankWrites] = defaultdict(_RankWrites)
-    _assign(_pieces(shared, assigned, load), assigned, load)
-    every = Writes.joined([single, _RankWrites.table(assigned, table.offsets.shape[1])])
+    shared = _Shared.of(table, rows, runs, keys, live, box, np.flatnonzero(kept & ~alone), nbytes)
+    every = Writes.joined([single, shared.writes(load)])
     order, file, offset = placement(every.rank, every.nbytes, files_per_rank)
     every = every.take(order)
     every.file, every.offset = file, offset
@@ -305,8 +303,7 @@ class _Keys:
 
     @classmethod
     def of(cls, table: SpecTable, rows: _Rows) -> "_Keys":
-        _, first, of = np.unique(table.digest[:, 0], return_index=True, return_inverse=True)
-        of = of.reshape(-1)
+        of, first = distinct(table.digest[:, 0])
         rep = first[of]
         clash = np.flatnonzero((table.digest[:, 1] != table.digest[rep, 1]) | (table.key_len != table.key_len[rep]))
         if len(clash):
@@ -350,132 +347,108 @@ def _cast_weights(keys: _Keys, box_key: np.ndarray, volume: np.ndarray) -> Dict[
     return {w: m for w, m in pairs.items() if covered[m] == math.prod(keys.shapes[m])}
 
 
-class _Holding(NamedTuple):
-    """A distinct box as one run holds it: the run's start in each holding rank's list, and the
-    box's index in the run."""
-    starts: Dict[int, int]
-    index: int
+class _HolderSets:
+    """The sets of run groups holding a box, numbered as first met: each set's ranks (its groups'
+    holders, group by group), and for each rank its first group in the set (`seat`)."""
 
+    def __init__(self, runs: RunGroups):
+        self._runs, self._numbers, self._starts = runs, {}, {}
+        self.ranks: List[Tuple[int, ...]] = []
+        self.seat: List[Dict[int, int]] = []
 
-class _Box:
-    """A distinct stored box that several ranks hold (or one holds twice): its bytes and the runs
-    holding it."""
-    __slots__ = ("nbytes", "holdings")
-
-    def __init__(self, nbytes: int, holdings: List[_Holding]):
-        self.nbytes, self.holdings = nbytes, holdings
-
-
-def _shared(table: SpecTable, rows: _Rows, runs: RunGroups, keys: _Keys, live: np.ndarray, box: np.ndarray,
-            shared: np.ndarray, nbytes: np.ndarray) -> Dict[Tuple[int, Box], _Box]:
-    """The distinct boxes `shared` (numbers among `box`'s, the rows `live`'s), one by one, each
-    with the runs holding it (a run holding it twice: the first)."""
-    order, bounds = runs.holders
-    starts: Dict[int, Dict[int, int]] = {}
-
-    def held(g: int) -> Dict[int, int]:
-        out = starts.get(g)
+    def starts(self, group: int) -> Dict[int, int]:
+        """Where the group's run starts in each holder's list."""
+        out = self._starts.get(group)
         if out is None:
-            group = order[bounds[g]:bounds[g + 1]]
-            out = starts[g] = dict(zip(runs.rank[group].tolist(), runs.start[group].tolist()))
+            order, bounds = self._runs.holders
+            spans = order[bounds[group]:bounds[group + 1]]
+            out = self._starts[group] = dict(zip(self._runs.rank[spans].tolist(), self._runs.start[spans].tolist()))
         return out
 
-    wanted = np.zeros(len(nbytes), dtype=bool)
-    wanted[shared] = True
-    mine = np.flatnonzero(wanted[box])
-    by_box = mine[np.argsort(box[mine], kind="stable")]
-    lows, highs = np.searchsorted(box[by_box], np.stack([shared, shared + 1])).tolist()
-    at = live[by_box]
-    group, index, key, ndim = (a[at].tolist() for a in (rows.group, rows.index, keys.number, table.ndim))
-    offsets, lengths = table.offsets[at].tolist(), table.lengths[at].tolist()
-    out: Dict[Tuple[int, Box], _Box] = {}
-    for b, lo, hi in zip(nbytes[shared].tolist(), lows, highs):
-        if hi - lo == 1:
-            holdings = [_Holding(held(group[lo]), index[lo])]
-        else:
-            holdings, seen = [], set()
-            for i in range(lo, hi):
-                if group[i] not in seen:
-                    seen.add(group[i])
-                    holdings.append(_Holding(held(group[i]), index[i]))
-        n = ndim[lo]
-        out[key[lo], (tuple(offsets[lo][:n]), tuple(lengths[lo][:n]))] = _Box(b, holdings)
-    return out
-
-
-class _Piece(NamedTuple):
-    """What one writer writes: a box, or a row range of a big replicated one."""
-    key: int
-    box: Box
-    nbytes: int
-    holdings: List[_Holding]  # those of the box it is (a part of)
-    ranks: Tuple[int, ...]
-    holders: int  # a number naming the set `ranks` (`LeastLoaded.deal`)
-
-
-def _pieces(boxes: Dict[Tuple[int, Box], _Box], assigned: Dict[int, "_RankWrites"], load: LeastLoaded) -> List[_Piece]:
-    """The replicated boxes as writers write them: those big enough are cut into row ranges, so
-    several holders write them in parallel. A box one rank alone holds goes to that rank here."""
-    holder_sets: Dict[Tuple[int, ...], Tuple[Tuple[int, ...], int]] = {}  # by the runs holding a box
-    pieces: List[_Piece] = []
-    for box, entry in boxes.items():
-        nbytes, holdings = entry.nbytes, entry.holdings
-        by_runs = tuple(id(h.starts) for h in holdings)
-        held = holder_sets.get(by_runs)
-        if held is None:
-            held = holder_sets[by_runs] = tuple(r for h in holdings for r in h.starts), len(holder_sets)
-        ranks, holders = held
-        if len(ranks) == 1:
-            rank, (starts, index) = ranks[0], holdings[0]
-            assigned[rank].add(starts[rank] + index, box[0], box[1], nbytes)
-            load.add(rank, nbytes)
-            continue
-        key, (offs, lens) = box
-        n = min(len(ranks), nbytes // SPLIT_BYTES, lens[0] if lens else 1)
-        if n < 2:
-            pieces.append(_Piece(key, box[1], nbytes, holdings, ranks, holders))
-            continue
-        row_bytes = nbytes // lens[0]
-        for i in range(n):
-            lo, hi = lens[0] * i // n, lens[0] * (i + 1) // n
-            pieces.append(_Piece(key, ((offs[0] + lo,) + offs[1:], (hi - lo,) + lens[1:]), (hi - lo) * row_bytes,
-                                 holdings, ranks, holders))
-    return pieces
+    def number(self, groups: Tuple[int, ...]) -> int:
+        number = self._numbers.get(groups)
+        if number is None:
+            number = self._numbers[groups] = len(self.ranks)
+            starts = [self.starts(g) for g in groups]
+            self.ranks.append(tuple(r for s in starts for r in s))
+            self.seat.append({r: j for j in reversed(range(len(starts))) for r in starts[j]})
+        return number
 
 
 @dataclass
-class _RankWrites:
-    """What one rank writes of the replicated boxes: its spec index, key, box and size per write."""
-    indices: List[int] = field(default_factory=list)
-    keys: List[int] = field(default_factory=list)
-    boxes: List[Box] = field(default_factory=list)
-    sizes: List[int] = field(default_factory=list)
+class _Shared:
+    """The distinct boxes several ranks hold (or one holds twice), by column: tensor key, box,
+    bytes and the number of the set of run groups holding it (`_HolderSets`); and its holdings,
+    box b's `bounds[b]:bounds[b + 1]`, one per group holding it in the order first met: the
+    group, and the box's index in the group's run."""
+    key: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    nbytes: np.ndarray
+    holders: np.ndarray
+    bounds: np.ndarray
+    group: np.ndarray
+    index: np.ndarray
+    sets: _HolderSets
 
-    def add(self, index: int, key: int, box: Box, nbytes: int) -> None:
-        self.indices.append(index)
-        self.keys.append(key)
-        self.boxes.append(box)
-        self.sizes.append(nbytes)
+    @classmethod
+    def of(cls, table: SpecTable, rows: _Rows, runs: RunGroups, keys: _Keys, live: np.ndarray, box: np.ndarray,
+           shared: np.ndarray, nbytes: np.ndarray) -> "_Shared":
+        """The distinct boxes `shared` (numbers among `box`'s, the rows `live`'s)."""
+        wanted = np.zeros(len(nbytes), dtype=bool)
+        wanted[shared] = True
+        mine = np.flatnonzero(wanted[box])
+        by_box = mine[np.argsort(box[mine], kind="stable")]
+        _, first = distinct(box[by_box] * len(runs.first) + rows.group[live[by_box]])
+        held = np.sort(first)  # each box's first row in each group holding it
+        bounds = np.append(np.searchsorted(box[by_box[held]], shared), len(held))
+        held = live[by_box[held]]
+        top = held[bounds[:-1]]
+        group = rows.group[held]
+        sets, b = _HolderSets(runs), bounds.tolist()
+        groups = group.tolist()
+        holders = np.array([sets.number(tuple(groups[lo:hi])) for lo, hi in zip(b[:-1], b[1:])], dtype=np.int64)
+        return cls(keys.number[top], table.offsets[top], table.lengths[top], nbytes[shared], holders, bounds, group,
+                   rows.index[held], sets)
 
-    @staticmethod
-    def table(assigned: Dict[int, "_RankWrites"], width: int) -> Writes:
-        """Every rank's, by column (boxes padded to `width` dimensions)."""
-        ranks = [r for r, w in assigned.items() for _ in w.sizes]
-        boxes = [b for w in assigned.values() for b in w.boxes]
-        offsets, lengths = np.zeros((len(boxes), width), dtype=np.int64), np.ones((len(boxes), width), dtype=np.int64)
-        for i, (offs, lens) in enumerate(boxes):
-            offsets[i, :len(offs)], lengths[i, :len(lens)] = offs, lens
+    def writes(self, load: LeastLoaded) -> Writes:
+        """Each box to the least-loaded rank holding it, biggest first; cut in row ranges where
+        big enough, so several holders write it in parallel; a box one rank alone holds to that
+        rank, first. Their writes, which `load` counts."""
+        count = np.array([len(r) for r in self.sets.ranks], dtype=np.int64)[self.holders]
+        lone = np.flatnonzero(count == 1)
+        lone_ranks = [self.sets.ranks[h][0] for h in self.holders[lone].tolist()]
+        for rank, nbytes in zip(lone_ranks, self.nbytes[lone].tolist()):
+            load.add(rank, nbytes)
+        of, offsets, lengths, nbytes = self._pieces(np.flatnonzero(count > 1), count)
+        order = lexsorted([*lengths.T[::-1], *offsets.T[::-1], self.key[of], -nbytes])
+        of, offsets, lengths, nbytes = of[order], offsets[order], lengths[order], nbytes[order]
+        names = self.holders[of].tolist()
+        ranks = load.deal(names, nbytes.tolist(), self.sets.ranks)
+        seats = [self.sets.seat[h][r] for h, r in zip(names, ranks)]
         column = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
-        return Writes(column(ranks), column([i for w in assigned.values() for i in w.indices]),
-                      column([k for w in assigned.values() for k in w.keys]), np.zeros(len(boxes), dtype=np.int64),
-                      np.zeros(len(boxes), dtype=np.int64), column([s for w in assigned.values() for s in w.sizes]),
-                      offsets, lengths)
+        every = np.concatenate([lone, of])
+        return Writes(column(lone_ranks + ranks), self._indices(every, lone_ranks + ranks, [0] * len(lone) + seats),
+                      self.key[every], np.zeros(len(every), dtype=np.int64), np.zeros(len(every), dtype=np.int64),
+                      np.concatenate([self.nbytes[lone], nbytes]), np.concatenate([self.offsets[lone], offsets]),
+                      np.concatenate([self.lengths[lone], lengths]))
 
+    def _pieces(self, boxes: np.ndarray, count: np.ndarray) -> Tuple[np.ndarray, ...]:
+        """`boxes` as writers write them, each cut in as many row ranges as it has holders, where
+        each is at least `SPLIT_BYTES`: each piece's box, offsets, lengths and bytes."""
+        cuts = np.minimum(np.minimum(count[boxes], self.nbytes[boxes] // SPLIT_BYTES), self.lengths[boxes, 0])
+        cuts = np.where(cuts < 2, 1, cuts)
+        of, cut = np.repeat(boxes, cuts), np.repeat(cuts, cuts)
+        nth = np.arange(len(of)) - np.repeat(np.cumsum(cuts) - cuts, cuts)
+        rows = self.lengths[of, 0]
+        lo, hi = rows * nth // cut, rows * (nth + 1) // cut
+        offsets, lengths = self.offsets[of], self.lengths[of]
+        offsets[:, 0] += lo
+        lengths[:, 0] = hi - lo
+        return of, offsets, lengths, np.where(cut == 1, self.nbytes[of], (hi - lo) * (self.nbytes[of] // rows))
 
-def _assign(pieces: List[_Piece], assigned: Dict[int, _RankWrites], load: LeastLoaded) -> None:
-    """Each piece to the least-loaded rank holding it, biggest first (into `assigned` and `load`)."""
-    pieces = sorted(pieces, key=lambda p: (-p.nbytes, p.key, p.box))
-    ranks = load.deal([p.holders for p in pieces], [p.nbytes for p in pieces], {p.holders: p.ranks for p in pieces})
-    for piece, rank in zip(pieces, ranks):
-        index = next(h.starts[rank] + h.index for h in piece.holdings if rank in h.starts)
-        assigned[rank].add(index, piece.key, piece.box, piece.nbytes)
+    def _indices(self, boxes: np.ndarray, ranks: List[int], seats: List[int]) -> np.ndarray:
+        """Each box's spec index in `ranks[i]`'s list, which holds it in its holding `seats[i]`."""
+        at = self.bounds[boxes] + np.array(seats, dtype=np.int64)
+        starts = [self.sets.starts(g)[r] for g, r in zip(self.group[at].tolist(), ranks)]
+        return np.array(starts, dtype=np.int64) + self.index[at]

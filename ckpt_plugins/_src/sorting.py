@@ -1,7 +1,7 @@
 """Sorting the rows of a plan on several integer columns at once."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import numpy as np
 
@@ -20,9 +20,46 @@ def lexsorted(keys: Sequence[np.ndarray]) -> np.ndarray:
     return np.argsort(packed, kind="stable")
 
 
+def distinct(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """`np.unique(values, return_index=True, return_inverse=True)` for a 1-D int64 or uint64
+    column, as (inverse, index): each row's number among the distinct values in ascending order,
+    and each distinct value's first row. From one value sort (several times faster than the index
+    sort np.unique makes) of each value's high bits with its row number in the low bits; rows
+    whose high bits tie while their values differ (for hashes, rare and few) are then sorted by
+    value."""
+    n = len(values)
+    ordered = values.view(np.uint64)
+    if values.dtype.kind == "i":
+        ordered = ordered ^ np.uint64(1 << 63)  # signed order, as unsigned
+    bits = np.uint64(max(1, (n - 1).bit_length()))
+    high = ordered >> bits
+    order = (np.sort((high << bits) | np.arange(n, dtype=np.uint64)) & ~(~np.uint64(0) << bits)).astype(np.int64)
+    value, high = ordered[order], high[order]
+    tied = np.flatnonzero((high[1:] == high[:-1]) & (value[1:] != value[:-1]))
+    if len(tied):
+        at = np.flatnonzero(np.isin(high, high[tied]))  # whole runs of those high bits, in place
+        order[at] = order[at[np.lexsort((order[at], value[at]))]]
+        value = ordered[order]
+    new = np.ones(n, dtype=bool)
+    np.not_equal(value[1:], value[:-1], out=new[1:])
+    number = np.empty(n, dtype=np.int64)
+    number[order] = np.cumsum(new) - 1
+    return number, order[new]
+
+
+def first_met(number: np.ndarray, first: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Renumbers distinct values (`number` of each row, `first` row of each) as first met in the
+    rows, in one pass over them."""
+    met = np.zeros(len(number), dtype=bool)
+    met[first] = True
+    renumbered = np.cumsum(met) - 1
+    return renumbered[first][number], np.flatnonzero(met)
+
+
 def firsts(values: np.ndarray) -> np.ndarray:
     """For sorted `values`, each one's index of the first equal to it (`np.searchsorted(values,
     values)`), in one pass instead of a binary search each."""
     new = np.ones(len(values), dtype=bool)
     np.not_equal(values[1:], values[:-1], out=new[1:])
     return np.maximum.accumulate(np.where(new, np.arange(len(values)), 0))
+
