@@ -5,9 +5,8 @@ names and byte offsets are fixed here.
 At scale there are millions of boxes, most of them held by one rank alone (optimizer shards):
 all are planned on arrays (`SpecTable`'s columns); only the dealing of the boxes several ranks
 hold (data-parallel replicas' weights) to the least loaded of them goes one by one. The plan
-keeps its writes as columns too; each
-rank's `WriteItem`s and the metadata's `StoredBox`es are built when asked for (a rank builds its
-own; the coordinator the metadata, at its first commit)."""
+keeps its writes as columns too; each rank's `WriteItem`s and the metadata's `StoredBox`es are
+built when asked for (a rank builds its own; the coordinator the metadata, at its first commit)."""
 from __future__ import annotations
 
 import math

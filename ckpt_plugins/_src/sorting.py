@@ -40,8 +40,7 @@ def distinct(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         at = np.flatnonzero(np.isin(high, high[tied]))  # whole runs of those high bits, in place
         order[at] = order[at[np.lexsort((order[at], value[at]))]]
         value = ordered[order]
-    new = np.ones(n, dtype=bool)
-    np.not_equal(value[1:], value[:-1], out=new[1:])
+    new = _changes(value)
     number = np.empty(n, dtype=np.int64)
     number[order] = np.cumsum(new) - 1
     return number, order[new]
@@ -59,7 +58,11 @@ def first_met(number: np.ndarray, first: np.ndarray) -> Tuple[np.ndarray, np.nda
 def firsts(values: np.ndarray) -> np.ndarray:
     """For sorted `values`, each one's index of the first equal to it (`np.searchsorted(values,
     values)`), in one pass instead of a binary search each."""
+    return np.maximum.accumulate(np.where(_changes(values), np.arange(len(values)), 0))
+
+
+def _changes(values: np.ndarray) -> np.ndarray:
+    """Where a sorted column's value differs from the one before it (its first row included)."""
     new = np.ones(len(values), dtype=bool)
     np.not_equal(values[1:], values[:-1], out=new[1:])
-    return np.maximum.accumulate(np.where(new, np.arange(len(values)), 0))
-
+    return new
