@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -46,6 +46,36 @@ def test_random_bytes_are_metadata_errors(data):
 def test_random_json_is_a_metadata_error(value):
     with pytest.raises(cp.MetadataError):
         decode_metadata(json.dumps(value).encode())
+
+
+FILE_NAMES = st.sampled_from(["data/r0-0.bin", "data/g2-r17-3.bin", "data/r5-objects.bin", "data/../../x.bin",
+                               "../outside.bin", "/etc/passwd", "data//r0-0.bin", "data/r0-0.bin\ndata/r1-0.bin",
+                               "data/r1-0.bin\n", "data\\r0-0.bin", "", "data/r0-0.bin\x00"]) | st.text(max_size=16)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(FILE_NAMES, st.sampled_from([0, 1, 2**40, -1, True, 2.0, None])), max_size=6))
+@example([("data/r0-0.bin", 0), ("data/../../x.bin", 1)])
+@example([("data/r0-0.bin", 0), ("data/r1-0.bin", -1)])
+@example([("data/r0-0.bin", True)])
+@example([("data/r0-0.bin", 0), ("data/r0-0.bin", 1)])
+def test_a_file_table_is_checked_in_one_match_as_it_is_name_by_name(entries):
+    """The file table's one match over names as saves write them accepts and refuses what the
+    check of each name and size does (`check_relative_path`, `require_int`), with its errors."""
+    from ckpt_plugins._src.format import check_relative_path, checked_files, need, require_int
+
+    def each(pairs):
+        files = {check_relative_path(n): require_int(s, f"files.{n}") for n, s in pairs}
+        need(len(files) == len(pairs), "files names a file twice")
+        return files
+
+    outcomes = []
+    for check in (checked_files, each):
+        try:
+            outcomes.append(check([list(e) for e in entries]))
+        except cp.CheckpointError as exc:
+            outcomes.append((type(exc), str(exc)))
+    assert outcomes[0] == outcomes[1]
 
 
 @pytest.mark.parametrize("target", [["model/0.weight"], {"k": 1}, 3, None])

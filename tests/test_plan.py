@@ -558,6 +558,47 @@ def test_checksums_fed_in_any_pieces_are_those_of_the_whole_item():
     assert ChunkSums().result() == chunk_checksums(b"")
 
 
+def test_a_tensor_of_many_boxes_is_searched_by_array_with_the_plan_of_a_box_by_box_scan(monkeypatch):
+    """A tensor stored in more than `MANY_BOXES` boxes has the boxes meeting a wanted one found
+    with arrays (from the decoded table's columns, or from the written boxes): the plan is the
+    one a scan of every box gives, for random grids and flat ranges and random wanted boxes."""
+    from ckpt_plugins._src import plan as planning
+    from ckpt_plugins._src.metadata_codec import decode_metadata, encode_metadata
+    rng = np.random.default_rng(2)
+
+    def cuts(n, parts):
+        return [0] + sorted(rng.choice(np.arange(1, n), parts - 1, replace=False).tolist()) + [n]
+
+    def wanted_box(shape):
+        lo = [int(rng.integers(0, n)) for n in shape]
+        return tuple(lo), tuple(int(rng.integers(1, n - o + 1)) for o, n in zip(lo, shape))
+
+    for _ in range(6):
+        grid, flat = (int(rng.integers(40, 90)), int(rng.integers(5, 30))), (int(rng.integers(200, 400)),)
+        rows, cols, ranges = cuts(grid[0], 7), cuts(grid[1], 4), cuts(flat[0], 30)
+        ranks = [[spec("model/g", grid, (r0, c0), (r1 - r0, c1 - c0))]
+                 for r0, r1 in zip(rows, rows[1:]) for c0, c1 in zip(cols, cols[1:])]
+        ranks += [[spec("optim/flat", flat, (a,), (b - a,))] for a, b in zip(ranges, ranges[1:])]
+        written = planned(ranks[::-1] if rng.random() < 0.5 else ranks).metadata
+        for meta in written.tensors.values():
+            for box in meta.boxes:
+                box.crc32c = [0]
+        assert min(len(t.boxes) for t in written.tensors.values()) > planning.MANY_BOXES
+        specs = [replace_box(spec("model/g", grid), wanted_box(grid)) for _ in range(5)]
+        specs += [replace_box(spec("optim/flat", flat), wanted_box(flat)) for _ in range(5)]
+        for metadata in (written, decode_metadata(encode_metadata(written))):
+            searched = plan_load(metadata, specs)
+            with monkeypatch.context() as m:
+                m.setattr(planning, "MANY_BOXES", 10**9)
+                scanned = plan_load(metadata, specs)
+            assert searched == scanned and len(searched.reads) > len(specs)
+
+
+def replace_box(s, box):
+    from dataclasses import replace
+    return replace(s, offsets=box[0], lengths=box[1])
+
+
 def test_stored_keys_and_files_are_numbered_alike_from_a_decoded_table_and_a_written_dict():
     """A load numbers the stored keys and the files it reads on the decoded tensor table's own
     indexes (`StoredKeys`, `file_table`): the numbers are those of the metadata as written

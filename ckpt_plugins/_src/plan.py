@@ -13,7 +13,8 @@ import numpy as np
 
 from .errors import LoadMismatchError
 from .gcpause import gc_paused
-from .format import Metadata, StoredBox, dtype_from_name, dtype_name
+from .format import Metadata, StoredBox, TensorMeta, dtype_from_name, dtype_name
+from .format_v2 import TensorTable
 from .fragment import Box, Shape, flat_offset, intersect
 
 
@@ -119,6 +120,38 @@ def choose_source(metadata: Metadata, spec: TensorSpec) -> Optional[str]:
                             f"{spec.dtype} copy ({found}); convert the model or the checkpoint")
 
 
+# A tensor stored in more boxes than this has the boxes meeting a wanted one found with arrays: a
+# checkpoint of 100,000 ranks holds a flat buffer in thousands of boxes, and each rank wants a few.
+MANY_BOXES = 16
+
+
+def _meeting(metadata: Metadata, key: str, meta: TensorMeta, box: Box, extents: Dict[str, Optional[np.ndarray]]):
+    """The positions, ascending, of the stored boxes of `key` that may overlap `box`: every one of
+    a tensor of few boxes, else those that do, found on their extents ((boxes, ndim, 2) offsets
+    and lengths, kept in `extents` for the rest of the plan)."""
+    if len(meta.boxes) <= MANY_BOXES:
+        return range(len(meta.boxes))
+    if key not in extents:
+        extents[key] = _extents(metadata, key, meta)
+    found = extents[key]
+    if found is None:  # a foreign box of another rank than its tensor's: scanned as it is
+        return range(len(meta.boxes))
+    lo = np.asarray(box[0], dtype=np.int64)
+    hi = lo + np.asarray(box[1], dtype=np.int64)
+    offsets, lengths = found[:, :, 0], found[:, :, 1]
+    return np.flatnonzero(((offsets < hi) & (offsets + lengths > lo)).all(axis=1)).tolist()
+
+
+def _extents(metadata: Metadata, key: str, meta: TensorMeta) -> Optional[np.ndarray]:
+    if isinstance(metadata.tensors, TensorTable):
+        return metadata.tensors.extents(key)
+    ndim = len(meta.shape)
+    if any(len(b.offsets) != ndim or len(b.lengths) != ndim for b in meta.boxes):
+        return None
+    return np.array([(b.offsets, b.lengths) for b in meta.boxes], dtype=np.int64).reshape(
+        len(meta.boxes), 2, ndim).transpose(0, 2, 1)
+
+
 @gc_paused
 def plan_load(metadata: Metadata, wanted: Sequence[TensorSpec]) -> LoadPlan:
     """Reads and copies that fill every wanted box; raises LoadMismatchError on any misfit.
@@ -127,7 +160,7 @@ def plan_load(metadata: Metadata, wanted: Sequence[TensorSpec]) -> LoadPlan:
     """
     reads: Dict[Tuple[str, int], ReadItem] = {}
     missing: List[str] = []
-    itemsizes = {}
+    itemsizes, extents = {}, {}
     for target, spec in enumerate(wanted):
         stored_key = choose_source(metadata, spec)
         if stored_key is None:
@@ -140,9 +173,10 @@ def plan_load(metadata: Metadata, wanted: Sequence[TensorSpec]) -> LoadPlan:
                                     f"wants {list(spec.shape)}")
         itemsize = itemsizes.setdefault(meta.dtype, dtype_from_name(meta.dtype).itemsize)
         needed = [spec.box] if math.prod(spec.lengths) else []
-        for b, stored in enumerate(meta.boxes):
+        for b in _meeting(metadata, stored_key, meta, spec.box, extents):
             if not needed:
                 break
+            stored = meta.boxes[b]
             remaining = []
             for piece in needed:
                 region = intersect(piece, (stored.offsets, stored.lengths))
