@@ -59,9 +59,9 @@ FILE_NAMES = st.sampled_from(["data/r0-0.bin", "data/g2-r17-3.bin", "data/r5-obj
 @example([("data/r0-0.bin", 0), ("data/r1-0.bin", -1)])
 @example([("data/r0-0.bin", True)])
 @example([("data/r0-0.bin", 0), ("data/r0-0.bin", 1)])
-def test_a_file_table_is_checked_in_one_match_as_it_is_name_by_name(entries):
-    """The file table's one match over names as saves write them accepts and refuses what the
-    check of each name and size does (`check_relative_path`, `require_int`), with its errors."""
+def test_a_file_table_is_checked_at_once_as_it_is_name_by_name(entries):
+    """The file table's check of all its names as one string accepts and refuses what the check
+    of each name and size does (`check_relative_path`, `require_int`), with its errors."""
     from ckpt_plugins._src.format import check_relative_path, checked_files, need, require_int
 
     def each(pairs):

@@ -569,9 +569,9 @@ def test_a_tensor_of_many_boxes_is_searched_by_array_with_the_plan_of_a_box_by_b
     def cuts(n, parts):
         return [0] + sorted(rng.choice(np.arange(1, n), parts - 1, replace=False).tolist()) + [n]
 
-    def wanted_box(shape):
+    def wanted(key, shape):
         lo = [int(rng.integers(0, n)) for n in shape]
-        return tuple(lo), tuple(int(rng.integers(1, n - o + 1)) for o, n in zip(lo, shape))
+        return spec(key, shape, tuple(lo), tuple(int(rng.integers(1, n - o + 1)) for o, n in zip(lo, shape)))
 
     for _ in range(6):
         grid, flat = (int(rng.integers(40, 90)), int(rng.integers(5, 30))), (int(rng.integers(200, 400)),)
@@ -584,19 +584,13 @@ def test_a_tensor_of_many_boxes_is_searched_by_array_with_the_plan_of_a_box_by_b
             for box in meta.boxes:
                 box.crc32c = [0]
         assert min(len(t.boxes) for t in written.tensors.values()) > planning.MANY_BOXES
-        specs = [replace_box(spec("model/g", grid), wanted_box(grid)) for _ in range(5)]
-        specs += [replace_box(spec("optim/flat", flat), wanted_box(flat)) for _ in range(5)]
+        specs = [wanted("model/g", grid) for _ in range(5)] + [wanted("optim/flat", flat) for _ in range(5)]
         for metadata in (written, decode_metadata(encode_metadata(written))):
             searched = plan_load(metadata, specs)
             with monkeypatch.context() as m:
                 m.setattr(planning, "MANY_BOXES", 10**9)
                 scanned = plan_load(metadata, specs)
             assert searched == scanned and len(searched.reads) > len(specs)
-
-
-def replace_box(s, box):
-    from dataclasses import replace
-    return replace(s, offsets=box[0], lengths=box[1])
 
 
 def test_stored_keys_and_files_are_numbered_alike_from_a_decoded_table_and_a_written_dict():

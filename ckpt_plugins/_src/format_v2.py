@@ -279,6 +279,7 @@ class TensorTable(Mapping):
                              rows.crc_start[:-1], rows.crc_start[1:], b["group"], rows.packed_start[:-1],
                              rows.packed_start[1:], b["delta"])
         self._packed, self._offsets, self._lengths = b["packed"], b["offsets"], b["lengths"]
+        self._dim_start = rows.dim_start  # each box's first entry in `_offsets` and `_lengths`
         self._built: Dict[str, TensorMeta] = {}
         self._file_numbers: Dict[str, int] = {}  # of the files built entries' boxes lie in
 
@@ -315,7 +316,7 @@ class TensorTable(Mapping):
         """Each box's offsets and lengths, shape (boxes, ndim, 2), straight from the columns: a
         load searches a tensor of thousands of boxes with them, without building its entry."""
         _, s0, s1, first, last = self._row(self._index[key])
-        d0 = int(self._box_columns[3][first]) if last > first else 0
+        d0 = int(self._dim_start[first])
         d1 = d0 + (last - first) * (s1 - s0)
         return np.stack([self._offsets[d0:d1], self._lengths[d0:d1]], axis=1).reshape(last - first, s1 - s0, 2)
 

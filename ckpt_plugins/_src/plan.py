@@ -134,7 +134,7 @@ def _meeting(metadata: Metadata, key: str, meta: TensorMeta, box: Box, extents: 
     if key not in extents:
         extents[key] = _extents(metadata, key, meta)
     found = extents[key]
-    if found is None:  # a foreign box of another rank than its tensor's: scanned as it is
+    if found is None:  # a foreign box of more or fewer dimensions than its tensor: scanned as it is
         return range(len(meta.boxes))
     lo = np.asarray(box[0], dtype=np.int64)
     hi = lo + np.asarray(box[1], dtype=np.int64)
