@@ -121,7 +121,7 @@ def step(eng, index: int) -> float:
     from hf_models import batch
     ids = batch(index, GLOBAL_ROWS)
     world, rank = dist.get_world_size(), dist.get_rank()
-    ids = ids[rank::world]
+    ids = ids[rank::world].to(eng.device)
     loss = eng(input_ids=ids, labels=ids).loss
     eng.backward(loss)
     eng.step()

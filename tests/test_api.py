@@ -284,6 +284,18 @@ def test_an_optimizer_load_replaces_the_live_state_as_torch_does(tmp_path):
     assert all(torch.equal(fresh.state_dict()["state"][k][n], trained[k][n]) for k in trained for n in trained[k])
 
 
+@pytest.mark.parametrize("flags", [{}, {"capturable": True}, {"fused": True}, {"foreach": True}])
+def test_state_a_load_creates_goes_where_torchs_own_load_puts_it(flags):
+    """torch keeps a "step" on the CPU unless its group is capturable or fused, the rest on the
+    parameter's device (here a meta one; tests/test_cuda.py loads into CUDA parameters)."""
+    from ckpt_plugins._src.state import state_device
+    param, group = torch.empty(3, device="meta"), {"params": [0], **flags}
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        torch_puts = torch.optim.Optimizer._process_value_according_to_param_policy(param, torch.zeros(()), 0,
+                                                                                   [group], key).device
+        assert state_device(key, group, param.device) == torch_puts, key
+
+
 def test_parameters_the_checkpoints_optimizer_never_had_are_missing_not_reset(tmp_path):
     """A checkpoint whose optimizer left some parameters out (experts not saved, renamed
     parameters) does not silently restart their moments from zero: a strict load names them."""

@@ -1,4 +1,5 @@
-"""The engine's CUDA paths: pinned staging, device-to-host snapshots, loads into device tensors.
+"""The engine's CUDA paths: pinned staging, device-to-host snapshots, loads into device tensors,
+and the framework hooks' overlapped saves of state that trains on the GPU.
 
 CI has no GPU, so these run where one is present (docs/benchmarks.md, "GPU checks"); elsewhere they are skipped.
 """
@@ -7,14 +8,15 @@ import torch
 from torch import nn
 
 import ckpt_plugins as cp
+from distributed import run_env_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def trained(device, seed=0):
+def trained(device, seed=0, **flags):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512, bias=False)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **flags)
     model(torch.randn(8, 512, device=device)).square().mean().backward()
     opt.step()
     opt.zero_grad()
@@ -69,3 +71,38 @@ def test_a_cpu_checkpoint_loads_into_cuda_tensors_and_refuses_another_dtype(tmp_
     cp.load(tmp_path / "c", {"model": fresh})
     for k, v in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k].cpu(), v), k
+
+
+@pytest.mark.parametrize("saved, live", [({}, {}), ({}, {"capturable": True}), ({"capturable": True}, {}),
+                                         ({"fused": True}, {"fused": True})])
+def test_optimizer_state_a_load_creates_lies_where_torchs_own_load_puts_it(tmp_path, saved, live):
+    """An optimizer that has not stepped gets its state from the load: a "step" stays on the CPU
+    unless the group is capturable or fused (the checkpoint's flags, which the load applies), the
+    moments go to the GPU, as `load_state_dict` does it."""
+    model, opt = trained("cuda", **saved)
+    cp.save(tmp_path / "s", {"model": model, "optim": opt})
+    fresh, own = (nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512, bias=False)).to("cuda") for _ in range(2))
+    ours, torchs = (torch.optim.AdamW(m.parameters(), lr=1e-3, **live) for m in (fresh, own))
+    cp.load(tmp_path / "s", {"model": fresh, "optim": ours})
+    torchs.load_state_dict(opt.state_dict())
+    for p, q in zip(fresh.parameters(), own.parameters()):
+        for name, value in torchs.state[q].items():
+            got = ours.state[p][name]
+            assert (got.device, got.dtype) == (value.device, value.dtype) and torch.equal(got, value), name
+    assert [g.get("capturable") for g in ours.param_groups] == [g.get("capturable") for g in torchs.param_groups]
+    ours.step()
+
+
+def test_an_overlapped_trainer_save_of_cuda_state_holds_the_optimizer_step(tmp_path):
+    """The HF Trainer on the GPU: step 3's forward and backward passes (gradient accumulation)
+    enqueue their kernels beside the save's device-to-host copies; its optimizer step waits."""
+    from test_hf_trainer import check_overlapped_trainer_save
+    check_overlapped_trainer_save(tmp_path, "cuda")
+
+
+def test_an_overlapped_deepspeed_save_of_cuda_state_holds_the_step(tmp_path):
+    """DeepSpeed's CUDA accelerator, ZeRO-3 in bf16 with gradient accumulation: the parameter
+    gathers of the next micro-steps run beside the snapshot of the partitions."""
+    pytest.importorskip("deepspeed")
+    from test_deepspeed import overlapped_saves_hold_the_step
+    run_env_ranks(1, overlapped_saves_hold_the_step, str(tmp_path))

@@ -152,7 +152,7 @@ def overlapped_saves_hold_the_step(rank, world, root):
         handle = cp.checkpointer()._last
         assert not handle._snapshot.is_set()
         for micro in range(2):
-            ids = batch(2 + micro, ds_util.GLOBAL_ROWS)[rank::world]
+            ids = batch(2 + micro, ds_util.GLOBAL_ROWS)[rank::world].to(eng.device)
             eng.backward(eng(input_ids=ids, labels=ids).loss)
             if micro == 1:  # the boundary: the optimizer steps now
                 threading.Timer(0.3, go.set).start()

@@ -122,11 +122,11 @@ def test_trainer_async_saves_rotate_only_committed_checkpoints(tmp_path):
         assert cp.read_metadata(run / name).step == int(name.split("-")[1])  # committed, whole
 
 
-def overlapped_run(rank, world, out_dir, result_path):
+def overlapped_run(rank, world, out_dir, result_path, device):
     """overlap=True with gradient accumulation: the save at step 2 returns before its snapshot,
     which here starts only once the optimizer's next step is due; the two forward and backward
     passes of step 3 run beside it, and the step waits for it. With a host-memory budget below the
-    save, which then streams through it, compressed."""
+    save, which then streams through it, compressed. `device`: where the Trainer trains."""
     import threading
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -140,7 +140,7 @@ def overlapped_run(rank, world, out_dir, result_path):
     class Watch(TrainerCallback):
         def on_save(self, args, state, control, model=None, **kwargs):
             if state.global_step == 2:  # what checkpoint-2 must hold (the run saves again at its end)
-                seen["saved"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                seen["saved"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
                 seen["snapshot taken before the save returned"] = cp.checkpointer()._last._snapshot.is_set()
                 seen["handle"] = cp.checkpointer()._last
 
@@ -150,9 +150,10 @@ def overlapped_run(rank, world, out_dir, result_path):
                 seen["timer"].start()
 
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             max_steps=3, save_strategy="steps", save_steps=2, learning_rate=1e-2, use_cpu=True,
-                             report_to=[], seed=0, disable_tqdm=True)
+                             max_steps=3, save_strategy="steps", save_steps=2, learning_rate=1e-2,
+                             use_cpu=device == "cpu", report_to=[], seed=0, disable_tqdm=True)
     trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=Tokens(), callbacks=[Watch()])
+    assert trainer.model.device.type == device
     hf_ext.trainer.enable(trainer, overlap=True, host_memory="64KiB", compress=True)
     trainer.train()
     StagedWrite.snapshot = native
@@ -160,11 +161,16 @@ def overlapped_run(rank, world, out_dir, result_path):
     assert seen["handle"].wait().rank_bytes > 64 << 10 >= cp.checkpointer().pool.allocated_bytes > 0
     assert any(b.group for t in cp.read_metadata(seen["handle"].path).tensors.values() for b in t.boxes)
     torch.save({"saved": seen["saved"], "early": seen["snapshot taken before the save returned"],
-                "final": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}, result_path)
+                "final": {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}}, result_path)
 
 
 def test_an_overlapped_trainer_save_holds_the_optimizer_step_not_the_accumulation_steps(tmp_path):
-    run_env_ranks(1, overlapped_run, str(tmp_path / "run"), tmp_path / "seen.pt")
+    check_overlapped_trainer_save(tmp_path, "cpu")
+
+
+def check_overlapped_trainer_save(tmp_path, device):
+    """The overlapped save of `overlapped_run` holds step 2's weights (loaded on CPU), and step 3 trained."""
+    run_env_ranks(1, overlapped_run, str(tmp_path / "run"), tmp_path / "seen.pt", device)
     seen = torch.load(tmp_path / "seen.pt")
     assert seen["early"] is False
     model = tiny_llama(5)

@@ -387,6 +387,7 @@ class OptimizerHandler(Handler):
                 pname, _, sname = key[len(prefix) + 1:].rpartition("/")
                 if sname != MASTER:  # master weights are not this optimizer's state (see add_master_sources)
                     stored.setdefault(pname, set()).add(sname)
+        group_of = {id(p): g for g, params in self.groups for p in params}
         for p in self._params():
             layout = self.layouts[id(p)]
             owner = self.states[id(p)]
@@ -405,7 +406,7 @@ class OptimizerHandler(Handler):
             if live is None:
                 live = owner[p] = {}
                 items.undo.append(lambda p=p, owner=owner: owner.pop(p, None))
-            self._load_param(p, layout, live, sorted(snames), prefix, metadata, items)  # same order on every rank
+            self._load_param(p, group_of[id(p)], live, sorted(snames), prefix, metadata, items)  # same order on every rank
         if unstated:
             had = []  # of those, the ones the checkpoint's optimizer had without state: reset, as torch does
 
@@ -418,8 +419,9 @@ class OptimizerHandler(Handler):
             items.finish.append(lambda: [owner.pop(p, None) for _, p, owner, live in had if live is not None])
         return items
 
-    def _load_param(self, p, layout: "ParamLayout", state: dict, snames: List[str], prefix: str, metadata: Metadata,
+    def _load_param(self, p, group: dict, state: dict, snames: List[str], prefix: str, metadata: Metadata,
                     items: LoadItems) -> None:
+        layout = self.layouts[id(p)]
         for sname in snames:
             key_of = lambda n, s=sname: f"{prefix}/{n}/{s}"  # noqa: E731
             keys = [key_of(n) for n in layout.names]
@@ -431,8 +433,11 @@ class OptimizerHandler(Handler):
                 items.accepted |= set(keys) - {first}  # one value serves the whole parameter
                 continue
             if sname not in state:
-                state[sname] = _allocate(p, layout, metadata.tensors[tensors[0]])
+                state[sname] = _allocate(p, layout, metadata.tensors[tensors[0]], sname, group)
                 items.undo.append(lambda s=state, n=sname: s.pop(n, None))
+                if not _param_shaped(state[sname], p):  # a step: the checkpoint's group flags decide, as in torch
+                    items.finish.append(lambda s=state, n=sname: s.__setitem__(n, s[n].to(
+                        state_device(n, group, _local(p).device))))
             if _param_shaped(state[sname], p):
                 items.fragments += layout.fragments(state[sname], key_of)
             else:
@@ -464,15 +469,26 @@ def saved_groups(groups: List[dict], layout_keys: Sequence[str]) -> List[dict]:
     return list(merged.values())
 
 
-def _allocate(param: torch.Tensor, layout: ParamLayout, meta) -> torch.Tensor:
-    """Optimizer state for `param`, shaped as the checkpoint stores it: like the parameter when
-    stored with a canonical parameter's shape, else as stored (a scalar step). Left unfilled: the
-    load plan has checked that the checkpoint covers all of it, and a failed load removes it."""
+def state_device(sname: str, group: dict, param_device: torch.device) -> torch.device:
+    """Where torch's `Optimizer.load_state_dict` puts a parameter's state `sname`: on the
+    parameter's device, except a "step" of a group neither capturable nor fused, which stays on
+    the CPU (on a GPU, a step there would cost a device sync per parameter and step)."""
+    if sname == "step" and not (group.get("capturable") or group.get("fused")):
+        return torch.device("cpu")
+    return param_device
+
+
+def _allocate(param: torch.Tensor, layout: ParamLayout, meta, sname: str, group: dict) -> torch.Tensor:
+    """Optimizer state `sname` for `param` in `group`, shaped as the checkpoint stores it: like
+    the parameter when stored with a canonical parameter's shape, else as stored (a scalar step).
+    Left unfilled: the load plan has checked that the checkpoint covers all of it, and a failed
+    load removes it."""
     from .format import dtype_from_name
     dtype = dtype_from_name(meta.dtype)
-    local = param._local_tensor if is_dtensor(param) else param
+    local = _local(param)
+    device = state_device(sname, group, local.device)
     if tuple(meta.shape) in layout.shapes and param.dim() > 0:
-        out = fresh_empty(local.shape, dtype, local.device)
+        out = fresh_empty(local.shape, dtype, device)
         if layout.pad is not None:
             layout.pad(out)
         if is_dtensor(param):
@@ -480,7 +496,11 @@ def _allocate(param: torch.Tensor, layout: ParamLayout, meta) -> torch.Tensor:
             out = DTensor.from_local(out, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                                      stride=param.stride())
         return out
-    return torch.empty(meta.shape, dtype=dtype, device=local.device)
+    return torch.empty(meta.shape, dtype=dtype, device=device)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param._local_tensor if is_dtensor(param) else param
 
 
 def _zero_gaps(flat: torch.Tensor, covers: Tuple[Tuple[int, int], ...]) -> None:
