@@ -285,15 +285,44 @@ def test_an_optimizer_load_replaces_the_live_state_as_torch_does(tmp_path):
 
 
 @pytest.mark.parametrize("flags", [{}, {"capturable": True}, {"fused": True}, {"foreach": True}])
-def test_state_a_load_creates_goes_where_torchs_own_load_puts_it(flags):
-    """torch keeps a "step" on the CPU unless its group is capturable or fused, the rest on the
-    parameter's device (here a meta one; tests/test_cuda.py loads into CUDA parameters)."""
-    from ckpt_plugins._src.state import state_device
-    param, group = torch.empty(3, device="meta"), {"params": [0], **flags}
+@pytest.mark.parametrize("param_dtype, stored", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                                 (torch.int64, torch.float32), (torch.bfloat16, torch.uint8)])
+def test_optimizer_state_takes_the_device_and_dtype_torchs_own_load_gives_it(flags, param_dtype, stored):
+    """torch keeps a "step" on the CPU as stored unless its group is capturable or fused, and
+    gives the rest the parameter's device and floating dtype (here a meta parameter;
+    tests/test_cuda.py loads into CUDA parameters); integer state (bitsandbytes' 8-bit moments)
+    keeps its dtype, as bitsandbytes' own load keeps it."""
+    from ckpt_plugins._src.state import torch_placement
+    param, group = torch.empty(3, device="meta", dtype=param_dtype), {"params": [0], **flags}
     for key in ("step", "exp_avg", "exp_avg_sq"):
-        torch_puts = torch.optim.Optimizer._process_value_according_to_param_policy(param, torch.zeros(()), 0,
-                                                                                   [group], key).device
-        assert state_device(key, group, param.device) == torch_puts, key
+        value = torch.zeros((), dtype=stored)
+        torch_gives = torch.optim.Optimizer._process_value_according_to_param_policy(param, value, 0, [group], key)
+        dtype = stored if key != "step" and not stored.is_floating_point else torch_gives.dtype
+        assert torch_placement(key, group, param, stored) == (torch_gives.device, dtype), key
+
+
+def test_fp32_moments_load_into_a_bf16_optimizer_as_its_own_dtype_as_torch_casts_them(tmp_path):
+    """A checkpoint of fp32 Adam moments (a mixed-precision framework's) into a plain optimizer of
+    bf16 parameters, with no state yet and with some: the moments become bf16, as
+    `load_state_dict` casts them, and the optimizer steps (torch's Adam refuses fp32 moments of
+    bf16 parameters)."""
+    model, opt, sched = make(0)
+    for step in range(2):
+        train_step(model, opt, sched, step)
+    model.to(torch.bfloat16)  # bf16 weights beside fp32 moments, as mixed-precision frameworks keep them
+    cp.save(tmp_path / "mixed", {"model": model, "optim": opt})
+    expected = {k: {n: v if n == "step" else v.to(torch.bfloat16) for n, v in s.items()}
+                for k, s in opt.state_dict()["state"].items()}
+    fresh, fresh_opt, fresh_sched = make(1)
+    fresh.to(torch.bfloat16)
+    for trained in (False, True):
+        cp.load(tmp_path / "mixed", {"model": fresh, "optim": fresh_opt})
+        loaded = fresh_opt.state_dict()["state"]
+        assert loaded.keys() == expected.keys()
+        for k in expected:
+            for n, v in expected[k].items():
+                assert loaded[k][n].dtype == v.dtype and torch.equal(loaded[k][n], v), (trained, k, n)
+        train_step(fresh, fresh_opt, fresh_sched, 2)
 
 
 def test_parameters_the_checkpoints_optimizer_never_had_are_missing_not_reset(tmp_path):

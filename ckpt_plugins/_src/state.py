@@ -437,13 +437,16 @@ class OptimizerHandler(Handler):
                 items.undo.append(lambda s=state, n=sname: s.pop(n, None))
                 if not _param_shaped(state[sname], p):  # a step: the checkpoint's group flags decide, as in torch
                     items.finish.append(lambda s=state, n=sname: s.__setitem__(n, s[n].to(
-                        state_device(n, group, _local(p).device))))
+                        *torch_placement(n, group, _local(p), s[n].dtype))))
             if _param_shaped(state[sname], p):
-                items.fragments += layout.fragments(state[sname], key_of)
+                frags = layout.fragments(state[sname], key_of)
             else:
                 first = tensors[0] if tensors else keys[0]
-                items.fragments += tensor_fragments(first, state[sname])
+                frags = tensor_fragments(first, state[sname])
                 items.accepted |= set(keys) - {first}
+            for frag in frags:  # converted to the live state's dtype, as load_state_dict does
+                frag.cast = True
+            items.fragments += frags
 
     def _apply_groups(self, saved_groups: List[dict]) -> None:
         by_param = {name: g for g in saved_groups for name in g["params"]}
@@ -469,13 +472,18 @@ def saved_groups(groups: List[dict], layout_keys: Sequence[str]) -> List[dict]:
     return list(merged.values())
 
 
-def state_device(sname: str, group: dict, param_device: torch.device) -> torch.device:
-    """Where torch's `Optimizer.load_state_dict` puts a parameter's state `sname`: on the
-    parameter's device, except a "step" of a group neither capturable nor fused, which stays on
-    the CPU (on a GPU, a step there would cost a device sync per parameter and step)."""
-    if sname == "step" and not (group.get("capturable") or group.get("fused")):
-        return torch.device("cpu")
-    return param_device
+def torch_placement(sname: str, group: dict, param: torch.Tensor, stored: torch.dtype) -> Tuple[torch.device, torch.dtype]:
+    """The device and dtype torch's `Optimizer.load_state_dict` gives a parameter's state `sname`
+    stored as `stored`: a "step" stays on the CPU as stored unless its group is capturable or fused
+    (on a GPU, a step there would cost a device sync per parameter and step); the rest goes to the
+    parameter's device, floating state in a floating parameter's dtype (torch's Adam steps bf16
+    parameters only with bf16 moments). Integer state keeps its dtype, as bitsandbytes' 8-bit
+    optimizers keep theirs (torch would cast it too)."""
+    if sname == "step":
+        if group.get("capturable") or group.get("fused"):
+            return param.device, torch.float32
+        return torch.device("cpu"), stored
+    return param.device, (param.dtype if param.is_floating_point() and stored.is_floating_point else stored)
 
 
 def _allocate(param: torch.Tensor, layout: ParamLayout, meta, sname: str, group: dict) -> torch.Tensor:
@@ -484,9 +492,8 @@ def _allocate(param: torch.Tensor, layout: ParamLayout, meta, sname: str, group:
     Left unfilled: the load plan has checked that the checkpoint covers all of it, and a failed
     load removes it."""
     from .format import dtype_from_name
-    dtype = dtype_from_name(meta.dtype)
     local = _local(param)
-    device = state_device(sname, group, local.device)
+    device, dtype = torch_placement(sname, group, local, dtype_from_name(meta.dtype))
     if tuple(meta.shape) in layout.shapes and param.dim() > 0:
         out = fresh_empty(local.shape, dtype, device)
         if layout.pad is not None:
