@@ -13,9 +13,13 @@ from distributed import run_env_ranks
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def two_layers(device):
+    return nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512, bias=False)).to(device)
+
+
 def trained(device, seed=0, **flags):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512, bias=False)).to(device)
+    model = two_layers(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **flags)
     model(torch.randn(8, 512, device=device)).square().mean().backward()
     opt.step()
@@ -64,7 +68,7 @@ def test_saves_of_cuda_tensors_stage_in_pinned_memory_and_load_anywhere(tmp_path
 def test_a_cpu_checkpoint_loads_into_cuda_tensors_and_refuses_another_dtype(tmp_path):
     model, _ = trained("cpu")
     cp.save(tmp_path / "c", {"model": model})
-    fresh = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512, bias=False)).to("cuda", torch.bfloat16)
+    fresh = two_layers("cuda").to(torch.bfloat16)
     with pytest.raises(cp.LoadMismatchError, match="bf16|bfloat16"):
         cp.load(tmp_path / "c", {"model": fresh})
     fresh = fresh.float()
@@ -81,7 +85,7 @@ def test_optimizer_state_a_load_creates_lies_where_torchs_own_load_puts_it(tmp_p
     moments go to the GPU, as `load_state_dict` does it."""
     model, opt = trained("cuda", **saved)
     cp.save(tmp_path / "s", {"model": model, "optim": opt})
-    fresh, own = (nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512, bias=False)).to("cuda") for _ in range(2))
+    fresh, own = two_layers("cuda"), two_layers("cuda")
     ours, torchs = (torch.optim.AdamW(m.parameters(), lr=1e-3, **live) for m in (fresh, own))
     cp.load(tmp_path / "s", {"model": fresh, "optim": ours})
     torchs.load_state_dict(opt.state_dict())

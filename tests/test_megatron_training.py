@@ -139,6 +139,7 @@ def test_ckpt_backend_flag_saves_and_resumes_through_megatron_training_and_impor
     run_ranks(2, fsdp2_from_torch_dist, native, imported)
     from megatron_ext.native import resolve
     from ckpt_plugins._src.offline import open_checkpoint, read_tensor
+    from hf_models import train_step
     hf = hf_llama()
     params = list(hf.to(torch.bfloat16).parameters())  # grouped as Megatron groups them: no decay for 1-D
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
@@ -150,9 +151,7 @@ def test_ckpt_backend_flag_saves_and_resumes_through_megatron_training_and_impor
         moment = read_tensor(storage, meta, f"optim/{name}/exp_avg").to(p.dtype)  # as load_state_dict casts it
         assert torch.equal(opt.state[p]["exp_avg"], moment), name
         assert opt.state[p]["step"] == read_tensor(storage, meta, f"optim/{name}/step"), name
-    ids = torch.arange(8).reshape(1, 8)
-    hf(input_ids=ids, labels=ids).loss.backward()
-    opt.step()  # (torch's Adam refuses fp32 moments of bf16 parameters)
+    train_step(hf, opt, 0)  # (torch's Adam refuses fp32 moments of bf16 parameters)
 
 
 def torch_dcp_worker(rank, world, root):
