@@ -1,14 +1,14 @@
 """deepspeed_ext: DeepSpeed ZeRO 0-3 through ckpt_plugins, switched on by a config entry.
 
-    "checkpoint": {"backend": "bytecheckpoint", "async": false, "overlap": false, "warm_up": true,
+    "checkpoint": {"backend": "bytecheckpoint", "async": false, "overlap": null, "warm_up": true,
                    "verify": false, "host_memory": null, "compress": false}
 
 in the DeepSpeed config, then either `engine, optimizer, _, scheduler = deepspeed_ext.initialize(...)`
 (same arguments as `deepspeed.initialize`) or `deepspeed_ext.install()` once, which makes every
 `deepspeed.initialize` call (the HF Trainer's and accelerate's included) do the same. Without the
-entry DeepSpeed behaves exactly as before. `async`: `save_checkpoint` returns once the snapshot is
-taken. `overlap` (implies `async`): it returns at once, the snapshot runs beside the next forward
-and backward, and the optimizer's next step waits for it. `warm_up` (default true): after the
+entry DeepSpeed behaves exactly as before. `async`: `save_checkpoint` returns at once, the snapshot
+runs beside the next forward and backward, and the optimizer's next step waits for it (overlapped;
+`"overlap": false` returns once the snapshot is taken instead; `"overlap": true` implies `async`). `warm_up` (default true): after the
 first optimizer step, plan the first save and fault its staging memory in beside training, so
 that save is as fast as any later one. `verify`: `load_checkpoint` then proves the live model and
 optimizer hold what was loaded (`ckpt_plugins.load(verify=True)`). `host_memory` (bytes, or a size

@@ -81,8 +81,9 @@ def layout(engine) -> Dict[str, Any]:
 class Hooks:
     def __init__(self, engine, options: Dict[str, Any]):
         self.engine = engine
-        self.overlap = bool(options.get("overlap", False))
-        self.async_save = self.overlap or bool(options.get("async", False))
+        asynchronous, overlap = bool(options.get("async", False)), options.get("overlap")
+        self.overlap = asynchronous if overlap is None else bool(overlap)
+        self.async_save = self.overlap or asynchronous
         self.verify = bool(options.get("verify", False))
         self.gate = StepGate()  # an overlapped save's snapshot runs until the optimizer's next step
         self.native_load, self.native_step = engine.load_checkpoint, engine.step

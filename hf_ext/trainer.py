@@ -31,11 +31,12 @@ What it changes, on this one Trainer instance (documented because these are Trai
   and the rest of the training state, and refers to a base checkpoint for the frozen weights:
   `peft_base=` (the checkpoint the base was loaded from), else `<output_dir>/base`, written once
   at the first save. `adapters_only=False` stores everything in every checkpoint.
-- `async_save=True`: a save returns once its snapshot is taken. Rotation then waits until the
-  save has committed (at the next save or at the end of training), so the newest whole checkpoint
-  is never deleted for one still being written. `overlap=True` (asynchronous too): a save returns
-  at once, its snapshot runs beside the next forward and backward passes, and the optimizer's next
-  step waits for it (with gradient accumulation, the step at the accumulation boundary).
+- `async_save=True`: a save returns at once, its snapshot runs beside the next forward and
+  backward passes, and the optimizer's next step waits for it (with gradient accumulation, the
+  step at the accumulation boundary); `overlap=False` returns once the snapshot is taken instead
+  (`overlap=True` implies `async_save`). Rotation then waits until the save has committed (at the
+  next save or at the end of training), so the newest whole checkpoint is never deleted for one
+  still being written.
 
 The training data (with the Trainer's default random sampling): the sampler is replaced by one
 whose order is fixed by the seed and the epoch, and each checkpoint stores the data position
@@ -77,13 +78,13 @@ TRANSFORMERS = ("5", "6")  # the Trainer internals this hook replaces, and trans
 
 
 class _Integration:
-    def __init__(self, trainer, async_save: bool, overlap: bool, checkpointer: Optional[cp.Checkpointer],
+    def __init__(self, trainer, async_save: bool, overlap: Optional[bool], checkpointer: Optional[cp.Checkpointer],
                  peft_base: Optional[str], adapters_only: bool, hf_weights: bool, on_data_change: str):
         if on_data_change not in DATA_CHANGES:
             raise ValueError(f"on_data_change must be one of {DATA_CHANGES}, not {on_data_change!r}")
         self.trainer = trainer
-        self.overlap = overlap
-        self.async_save = async_save or overlap
+        self.overlap = async_save if overlap is None else overlap
+        self.async_save = async_save or self.overlap
         self.gate = StepGate()  # an overlapped save's snapshot runs until the optimizer's next step
         self.checkpointer = checkpointer
         self.peft_base, self.adapters_only = peft_base, adapters_only
@@ -364,14 +365,14 @@ _HOOKS = ("_save_checkpoint", "save_model", "_load_from_checkpoint", "_load_opti
 _NO_OPS = ("_save_optimizer_and_scheduler", "_save_rng_state", "_save_scaler")
 
 
-def enable(trainer, *, async_save: bool = False, overlap: bool = False, checkpointer: Optional[cp.Checkpointer] = None,
+def enable(trainer, *, async_save: bool = False, overlap: Optional[bool] = None, checkpointer: Optional[cp.Checkpointer] = None,
            peft_base: Optional[str] = None, adapters_only: bool = True, hf_weights: bool = True,
            on_data_change: str = "warn", init_from: Optional[str] = None, verify: bool = False,
            host_memory: Union[int, str, None] = None, compress: Union[bool, str, None] = None):
     """Make `trainer` save and resume through ckpt_plugins (see the module docstring). Returns it.
 
-    `async_save`: saves return once their snapshot is taken; `overlap`: at once, the optimizer's next
-    step waiting for the snapshot. `hf_weights`: write the model's HF files into each checkpoint too
+    `async_save`: saves return at once, the optimizer's next step waiting for the snapshot;
+    `overlap=False`: once their snapshot is taken. `hf_weights`: write the model's HF files into each checkpoint too
     (from_pretrained reads it).
     `on_data_change`: "warn" (the Trainer's own fast-forward) or "error" when a resume finds the
     training data changed since its checkpoint. `init_from`: a checkpoint a run that does not

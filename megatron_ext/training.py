@@ -13,8 +13,9 @@ the default) they call Megatron's own. Kept: `--save`/`--load`, `iter_NNNNNNN` d
 `latest_checkpointed_iteration.txt` (written by rank 0 once the checkpoint has committed), `--ckpt-step`,
 `--finetune`, `--no-save-optim`/`--no-load-optim`, `--no-save-rng`/`--no-load-rng`, `--use-checkpoint-args`
 (the model arguments come from the checkpoint, through Megatron's own rules), `--async-save`
-(an asynchronous ckpt_plugins save; `--ckpt-overlap`: returns at once, the snapshot running beside
-the next forward and backward until the optimizer step; `--ckpt-host-memory 8GiB`: staging within that
+(an overlapped ckpt_plugins save: it returns at once, the snapshot running beside the next forward
+and backward until the optimizer step; `--no-ckpt-overlap`: it returns once the snapshot is taken,
+as Megatron's own; `--ckpt-host-memory 8GiB`: staging within that
 budget, a bigger save streaming through it; `--ckpt-compress`: tensors stored losslessly compressed
 where that shrinks them; `--ckpt-compress auto`: only where that also shortens the commit), `--non-persistent-save-interval` (saves to the memory tier,
 replicated to another host; a restart with `--load` = `--save` takes the newest of memory and the
@@ -26,6 +27,7 @@ A native Megatron checkpoint in `--load` is loaded by Megatron's own code.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -55,9 +57,10 @@ def add_arguments(parser):
     group.add_argument("--ckpt-hf-family", choices=sorted(FAMILIES) + [OWN_NAMES.name], default=None,
                        help="the HF family whose tensor names the checkpoint uses (default: from the model's "
                             "config; a MoE model without q/k norms or shared experts is taken for Mixtral)")
-    group.add_argument("--ckpt-overlap", action="store_true",
+    group.add_argument("--ckpt-overlap", action=argparse.BooleanOptionalAction, default=None,
                        help="with --ckpt-backend bytecheckpoint: a save returns at once (asynchronous), its snapshot "
-                            "runs beside the next forward and backward, and the next optimizer step waits for it")
+                            "runs beside the next forward and backward, and the next optimizer step waits for it; "
+                            "the default with --async-save (--no-ckpt-overlap: it returns once the snapshot is taken)")
     group.add_argument("--ckpt-verify", action="store_true",
                        help="with --ckpt-backend bytecheckpoint: a load then proves the live model and optimizer hold "
                             "what was loaded (ckpt_plugins.load(verify=True))")
@@ -167,10 +170,12 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
     def write_tracker() -> None:  # only once the checkpoint is whole
         storage_for(args.save).put_atomic(TRACKER, str(iteration).encode())
 
-    path, overlap = checkpoint_dir(args.save, iteration), bool(getattr(args, "ckpt_overlap", False))
+    asynchronous, overlap = bool(getattr(args, "async_save", False)), getattr(args, "ckpt_overlap", None)
+    overlap = asynchronous if overlap is None else overlap
+    path = checkpoint_dir(args.save, iteration)
     options = dict(framework="megatron", step=int(iteration), overwrite=True, layout=_layout(args),
                    hooks=SaveHooks(on_commit=write_tracker))
-    if overlap or getattr(args, "async_save", False):
+    if overlap or asynchronous:
         result = _checkpointer(args).save_async(path, state, overlap=overlap, **options)
         # the forward and backward leave the saved tensors alone (train() finishes the distributed
         # optimizer's overlapped parameter all-gather before it saves); the step changes them

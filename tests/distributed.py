@@ -16,18 +16,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args):
+def _worker(rank, world_size, port, fn, args, backend="gloo"):
     faulthandler.enable()  # a native abort in a rank prints every thread's Python stack
     os.environ["OMP_NUM_THREADS"] = "1"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if backend == "nccl":
+        import torch
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=120))
     fn(rank, world_size, *args)  # on an error, no orderly teardown: it would wait for the other ranks
     dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args) -> None:
-    """Call fn(rank, world_size, *args) on each rank; any rank's exception fails the caller."""
-    mp.spawn(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
+    """Call fn(rank, world_size, *args) on each rank; any rank's exception fails the caller.
+    backend="nccl": rank r on GPU r."""
+    mp.spawn(_worker, args=(world_size, free_port(), fn, args, backend), nprocs=world_size, join=True)
 
 
 def _env_worker(rank, world_size, port, fn, args):

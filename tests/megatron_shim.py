@@ -1,7 +1,9 @@
 """Test-only shim that lets megatron-core 0.19.2 run on a CPU-only torch build.
 
 Call ``install()`` in every rank (spawned process) before importing any megatron module; it is
-idempotent. What it changes, and why (each is a CPU stand-in for a CUDA call Megatron makes):
+idempotent. Where a GPU is present it applies only what a build without TE and Apex needs (the
+norms, the HybridStack norm, the optimizer-load fixes). What it changes, and why (each is a CPU
+stand-in for a CUDA call Megatron makes):
 
 * triton: megatron imports ``triton`` unconditionally from
   ``megatron.core.transformer.moe.ops.paged_stash`` (reached from ``pipeline_parallel.schedules``,
@@ -436,7 +438,9 @@ def install(fix_optimizer_load: bool = True) -> None:
     global _INSTALLED, _MODE
     if _INSTALLED:
         return
-    _patch_torch_cuda()
+    on_cpu = not torch.cuda.is_available()  # on a GPU only the fixes for a build without TE and Apex apply
+    if on_cpu:
+        _patch_torch_cuda()
     import typing
     if not hasattr(typing, "override"):  # Python 3.12's, used by megatron.training on this 3.11
         import typing_extensions
@@ -446,11 +450,12 @@ def install(fix_optimizer_load: bool = True) -> None:
             _preload_with_triton_stub(name)
     import megatron.core  # noqa: F401  (now importable)
 
-    _patch_megatron_rng()
-    _patch_moe_split_sizes()
     _patch_torch_norm_sequence_parallel()
     if fix_optimizer_load:
         _patch_distrib_optimizer_load()
-    _MODE = CudaToCpuMode()
-    _MODE.__enter__()  # for the rest of the process (this thread)
+    if on_cpu:
+        _patch_megatron_rng()
+        _patch_moe_split_sizes()
+        _MODE = CudaToCpuMode()
+        _MODE.__enter__()  # for the rest of the process (this thread)
     _INSTALLED = True

@@ -178,6 +178,7 @@ def build_gpt(seed: int, vocab: int = 96, hidden: int = 32, ffn: int = 64, layer
     else:
         gpt = GPTModel(transformer_layer_spec=layer_spec(config), **common)
     init_weights(gpt, seed)
+    gpt.to(device())  # megatron's get_model moves it to the GPU as this does
     module = Float16Module(config, gpt) if dtype == torch.bfloat16 else gpt
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
                                                overlap_param_gather=overlap and distributed_optimizer,
@@ -278,6 +279,11 @@ def build_scheduler(optimizer, lr: float = 1e-2, weight_decay: float = 0.1):
                                    end_wd=weight_decay, wd_incr_steps=1, wd_incr_style="constant")
 
 
+def device() -> torch.device:
+    """The GPU where there is one (the CPU shim keeps megatron's CUDA calls on the CPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def global_batch(step_index: int, vocab: int = 96) -> torch.Tensor:
     """The step's token ids, [GLOBAL_BATCH, SEQ_LEN + 1] (inputs are [:, :-1], labels [:, 1:])."""
     gen = torch.Generator().manual_seed(1000 + step_index)
@@ -288,8 +294,8 @@ def _forward_step(data_iterator, model):
     tokens = next(data_iterator)
     ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     b, s = ids.shape
-    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)  # True = masked
+    position_ids = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), diagonal=1).view(1, 1, s, s)  # True = masked
     output = model(ids, position_ids, mask, labels=labels)  # last stage: per-token loss [b, s]
 
     def loss_func(per_token):
@@ -309,7 +315,7 @@ def train_step(model, optimizer, step_index: int, micro_batch_size: int | None =
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     if GLOBAL_BATCH % dp:
         raise ValueError(f"global batch {GLOBAL_BATCH} does not split over {dp} DP ranks")
-    rows = global_batch(step_index, unwrap(model).vocab_size)
+    rows = global_batch(step_index, unwrap(model).vocab_size).to(device())
     per_dp = GLOBAL_BATCH // dp
     local = rows[dp_rank * per_dp:(dp_rank + 1) * per_dp]
     pp = ps.get_pipeline_model_parallel_world_size()
@@ -332,7 +338,7 @@ def train_step(model, optimizer, step_index: int, micro_batch_size: int | None =
         raise RuntimeError("optimizer step skipped")
 
     # Mean over micro-batches on the last stage, then over the last-stage ranks (TP copies agree).
-    value = torch.zeros(1, dtype=torch.float64)
+    value = torch.zeros(1, dtype=torch.float64, device=rows.device)
     if ps.is_pipeline_last_stage():
         value += sum(float(d["loss"]) for d in losses) / n_micro
     dist.all_reduce(value)
@@ -380,7 +386,7 @@ def megatron_train_step(model, optimizer, scheduler, step_index: int) -> None:
     init_num_microbatches_calculator(dist.get_rank(), None, GLOBAL_BATCH, mbs, dp)
     if global_vars._GLOBAL_TIMERS is None:
         global_vars._set_timers(args)
-    rows = global_batch(step_index, unwrap(model).vocab_size)
+    rows = global_batch(step_index, unwrap(model).vocab_size).to(device())
     per_dp = GLOBAL_BATCH // dp
     local = rows[dp_rank * per_dp:(dp_rank + 1) * per_dp]
     micro = iter([local[i * mbs:(i + 1) * mbs] for i in range(per_dp // mbs)])

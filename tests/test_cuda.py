@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ckpt_plugins as cp
-from distributed import run_env_ranks
+from distributed import run_env_ranks, run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -110,3 +110,12 @@ def test_an_overlapped_deepspeed_save_of_cuda_state_holds_the_step(tmp_path):
     pytest.importorskip("deepspeed")
     from test_deepspeed import overlapped_saves_hold_the_step
     run_env_ranks(1, overlapped_saves_hold_the_step, str(tmp_path))
+
+
+def test_an_overlapped_megatron_save_of_cuda_state_holds_the_step(tmp_path):
+    """Megatron's own training step on the GPU (NCCL, one rank), `--ckpt-overlap` with the
+    distributed optimizer's parameter all-gather overlapped with the next forward: the snapshot
+    holds the step saved, and the state loads bit for bit."""
+    pytest.importorskip("megatron.core")
+    from test_megatron_training import overlapped_save_worker
+    run_ranks(1, overlapped_save_worker, str(tmp_path), backend="nccl")

@@ -119,10 +119,11 @@ def engine_semantics(rank, world, root):
     assert not os.path.exists(os.path.join(root, "native", "t", "metadata.json"))
     fresh.load_checkpoint(os.path.join(root, "native"), "t")  # a native checkpoint still loads natively
 
-    asynchronous = ds_util.engine(2, True)
-    asynchronous._ckpt_plugins.async_save = True
+    asynchronous = ds_util.engine(2, True, extra={"checkpoint": {"backend": "bytecheckpoint", "async": True,
+                                                                 "overlap": False}})
     ds_util.step(asynchronous, 0)
     asynchronous.save_checkpoint(os.path.join(root, "async"))
+    assert cp.checkpointer()._last._snapshot.is_set()  # "overlap": false: returned once the snapshot was taken
     cp.checkpointer().wait()
     assert open(os.path.join(root, "async", "latest")).read() == "global_step1"
 
@@ -130,7 +131,7 @@ def engine_semantics(rank, world, root):
 
 
 def overlapped_saves_hold_the_step(rank, world, root):
-    """"overlap": save_checkpoint returns before the snapshot, which here starts only once the
+    """"async" (overlapped by default): save_checkpoint returns before the snapshot, which here starts only once the
     optimizer's step has been called; the forward and backward passes between (ZeRO-3 gathering
     its parameters, a gradient accumulation micro-step) run beside it; the step waits for it.
     With a "host_memory" budget below the save, which then streams through it, compressed ("compress")."""
@@ -139,14 +140,14 @@ def overlapped_saves_hold_the_step(rank, world, root):
     from ckpt_plugins._src.engine.write import StagedWrite
     from hf_models import batch
     accumulate = {"train_micro_batch_size_per_gpu": ds_util.GLOBAL_ROWS // world, "gradient_accumulation_steps": 2,
-                  "checkpoint": {"backend": "bytecheckpoint", "overlap": True, "host_memory": "64KiB",
+                  "checkpoint": {"backend": "bytecheckpoint", "async": True, "host_memory": "64KiB",
                                  "compress": True}}
     eng = ds_util.engine(3, True, extra=accumulate)
     for micro in range(2):
         ds_util.step(eng, micro)
     ref = ds_util.full_state(eng)
     go, native = threading.Event(), StagedWrite.snapshot
-    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(), native(self, buf, **kw))[1]
+    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(60), native(self, buf, **kw))[1]  # (a save that waits for it fails, not hangs)
     try:
         eng.save_checkpoint(os.path.join(root, "overlap"))
         handle = cp.checkpointer()._last

@@ -123,7 +123,7 @@ def test_trainer_async_saves_rotate_only_committed_checkpoints(tmp_path):
 
 
 def overlapped_run(rank, world, out_dir, result_path, device):
-    """overlap=True with gradient accumulation: the save at step 2 returns before its snapshot,
+    """async_save=True (overlapped by default) with gradient accumulation: the save at step 2 returns before its snapshot,
     which here starts only once the optimizer's next step is due; the two forward and backward
     passes of step 3 run beside it, and the step waits for it. With a host-memory budget below the
     save, which then streams through it, compressed. `device`: where the Trainer trains."""
@@ -134,7 +134,7 @@ def overlapped_run(rank, world, out_dir, result_path, device):
     import hf_ext.trainer
     from ckpt_plugins._src.engine.write import StagedWrite
     go, native = threading.Event(), StagedWrite.snapshot
-    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(), native(self, buf, **kw))[1]
+    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(60), native(self, buf, **kw))[1]  # (a save that waits for it fails, not hangs)
     seen = {}
 
     class Watch(TrainerCallback):
@@ -154,7 +154,7 @@ def overlapped_run(rank, world, out_dir, result_path, device):
                              use_cpu=device == "cpu", report_to=[], seed=0, disable_tqdm=True)
     trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=Tokens(), callbacks=[Watch()])
     assert trainer.model.device.type == device
-    hf_ext.trainer.enable(trainer, overlap=True, host_memory="64KiB", compress=True)
+    hf_ext.trainer.enable(trainer, async_save=True, host_memory="64KiB", compress=True)
     trainer.train()
     StagedWrite.snapshot = native
     # bigger than the budget: streamed through it, the snapshot waiting for the writes

@@ -175,7 +175,7 @@ def torch_dcp_worker(rank, world, root):
 
 
 def overlapped_save_worker(rank, world, root):
-    """--ckpt-overlap with the distributed optimizer's overlapped gradient reduce-scatter and
+    """--async-save (overlapped by default) with the distributed optimizer's overlapped gradient reduce-scatter and
     parameter all-gather: the save returns before its snapshot, which here starts only once the
     next optimizer step has been called; that step waits for it, the forward and backward do not.
     With --ckpt-host-memory below the save, which then streams through it, compressed (--ckpt-compress)."""
@@ -184,13 +184,15 @@ def overlapped_save_worker(rank, world, root):
     import megatron_util as mu
     import megatron_ext.training as bcp
     from ckpt_plugins._src.engine.write import StagedWrite
-    megatron_args(1, 1, root, "--ckpt-backend", "bytecheckpoint", "--ckpt-overlap", "--overlap-grad-reduce",
+    megatron_args(1, 1, root, "--ckpt-backend", "bytecheckpoint", "--async-save", "--use-persistent-ckpt-worker",
+                  "--overlap-grad-reduce",
                   "--overlap-param-gather", "--ckpt-host-memory", "64KiB", "--ckpt-compress")  # (installs the CPU shim first)
     from megatron.training import checkpointing, training
     bcp.install()
     mu.init_parallel(1, 1)
     model = mu.build_gpt(0, dtype=torch.bfloat16, overlap=True)
     assert model.use_forward_hook  # the parameter all-gather overlaps the next forward
+    assert all(p.device == mu.device() for p in model.parameters())  # on the GPU where there is one
     opt = mu.build_optimizer(model)
     sched = mu.build_scheduler(opt)
     for i in range(2):
@@ -200,7 +202,7 @@ def overlapped_save_worker(rank, world, root):
         t.clone() for s in opt.chained_optimizers[0].optimizer.state.values() for t in s.values()]
 
     go, native = threading.Event(), StagedWrite.snapshot
-    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(), native(self, buf, **kw))[1]
+    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(60), native(self, buf, **kw))[1]  # (a save that waits for it fails, not hangs)
     try:
         training.save_checkpoint(2, [model], opt, sched, 0.0)
         handle = cp.checkpointer()._last
@@ -231,11 +233,14 @@ def overlapped_save_worker(rank, world, root):
         t for s in fresh_opt.chained_optimizers[0].optimizer.state.values() for t in s.values()]
     assert len(loaded) == len(saved) and all(torch.equal(a, b) for a, b in zip(saved, loaded))
 
-    # --ckpt-compress auto: compressed only where that shortens the commit, which loads as any save
-    args = megatron_args(1, 1, os.path.join(root, "auto"), "--ckpt-backend", "bytecheckpoint", "--ckpt-compress", "auto")
+    # --ckpt-compress auto: compressed only where that shortens the commit, which loads as any save;
+    # --no-ckpt-overlap: the asynchronous save returns once its snapshot is taken
+    args = megatron_args(1, 1, os.path.join(root, "auto"), "--ckpt-backend", "bytecheckpoint", "--ckpt-compress", "auto",
+                         "--async-save", "--use-persistent-ckpt-worker", "--no-ckpt-overlap")
     assert args.ckpt_compress == "auto"
     training.save_checkpoint(3, [fresh], fresh_opt, fresh_sched, 0.0)
-    assert cp.checkpointer().compress == "auto"
+    assert cp.checkpointer()._last._snapshot.is_set() and cp.checkpointer().compress == "auto"
+    cp.checkpointer().wait()
     assert checkpointing.load_checkpoint([model], opt, sched)[0] == 3
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
     with pytest.raises(SystemExit):  # Megatron's parser: invalid choice
