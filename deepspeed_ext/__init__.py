@@ -8,9 +8,9 @@ in the DeepSpeed config, then either `engine, optimizer, _, scheduler = deepspee
 `deepspeed.initialize` call (the HF Trainer's and accelerate's included) do the same. Without the
 entry DeepSpeed behaves exactly as before. `async`: `save_checkpoint` returns at once, the snapshot
 runs beside the next forward and backward, and the optimizer's next step waits for it (overlapped;
-`"overlap": false` returns once the snapshot is taken instead; `"overlap": true` implies `async`). `warm_up` (default true): after the
-first optimizer step, plan the first save and fault its staging memory in beside training, so
-that save is as fast as any later one. `verify`: `load_checkpoint` then proves the live model and
+`"overlap": false` returns once the snapshot is taken instead; `"overlap": true` implies `async`).
+`warm_up` (default true): after the first optimizer step, plan the first save and fault its
+staging memory in beside training, so that save is as fast as any later one. `verify`: `load_checkpoint` then proves the live model and
 optimizer hold what was loaded (`ckpt_plugins.load(verify=True)`). `host_memory` (bytes, or a size
 such as "8GiB"): the most host memory a rank stages saves in; a bigger save streams through it
 (`Checkpointer(host_memory=...)`). `compress`: store each tensor losslessly compressed where that

@@ -372,8 +372,8 @@ def enable(trainer, *, async_save: bool = False, overlap: Optional[bool] = None,
     """Make `trainer` save and resume through ckpt_plugins (see the module docstring). Returns it.
 
     `async_save`: saves return at once, the optimizer's next step waiting for the snapshot;
-    `overlap=False`: once their snapshot is taken. `hf_weights`: write the model's HF files into each checkpoint too
-    (from_pretrained reads it).
+    `overlap=False`: once their snapshot is taken. `hf_weights`: write the model's HF files into
+    each checkpoint too (from_pretrained reads it).
     `on_data_change`: "warn" (the Trainer's own fast-forward) or "error" when a resume finds the
     training data changed since its checkpoint. `init_from`: a checkpoint a run that does not
     resume starts from (HF safetensors, PyTorch DCP, ours): its model and any optimizer state.

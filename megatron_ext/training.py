@@ -15,8 +15,8 @@ the default) they call Megatron's own. Kept: `--save`/`--load`, `iter_NNNNNNN` d
 (the model arguments come from the checkpoint, through Megatron's own rules), `--async-save`
 (an overlapped ckpt_plugins save: it returns at once, the snapshot running beside the next forward
 and backward until the optimizer step; `--no-ckpt-overlap`: it returns once the snapshot is taken,
-as Megatron's own; `--ckpt-host-memory 8GiB`: staging within that
-budget, a bigger save streaming through it; `--ckpt-compress`: tensors stored losslessly compressed
+as Megatron's own; `--ckpt-host-memory 8GiB`: staging within that budget, a bigger save streaming
+through it; `--ckpt-compress`: tensors stored losslessly compressed
 where that shrinks them; `--ckpt-compress auto`: only where that also shortens the commit), `--non-persistent-save-interval` (saves to the memory tier,
 replicated to another host; a restart with `--load` = `--save` takes the newest of memory and the
 tracker's iteration, agreed by every rank), the iteration, FLOPs so far, consumed samples, the LR scheduler
