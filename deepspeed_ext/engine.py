@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
 from ckpt_plugins.ext import (DATA_DIR, FORMAT_NAME, Handler, LoadItems, LocalStorage, SaveHooks, SaveItems, StepGate,
-                              fit_state, read_pointer, storage_for, take_finished)
+                              fit_state, overlapped, read_pointer, storage_for, take_finished)
 
 from . import zero_to_fp32
 from .native import NAME as NATIVE
@@ -81,8 +81,8 @@ def layout(engine) -> Dict[str, Any]:
 class Hooks:
     def __init__(self, engine, options: Dict[str, Any]):
         self.engine = engine
-        asynchronous, overlap = bool(options.get("async", False)), options.get("overlap")
-        self.overlap = asynchronous if overlap is None else bool(overlap)
+        asynchronous = bool(options.get("async", False))
+        self.overlap = overlapped(asynchronous, options.get("overlap"))
         self.async_save = self.overlap or asynchronous
         self.verify = bool(options.get("verify", False))
         self.gate = StepGate()  # an overlapped save's snapshot runs until the optimizer's next step

@@ -59,8 +59,8 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import (FORMAT_NAME, Order, SaveHooks, StepGate, fit_state, read_object, require_version,
-                              storage_for)
+from ckpt_plugins.ext import (FORMAT_NAME, Order, SaveHooks, StepGate, fit_state, overlapped, read_object,
+                              require_version, storage_for)
 
 from .mapping import is_peft_model
 from .safetensors_io import HF_CONFIG, write_model_files
@@ -83,7 +83,7 @@ class _Integration:
         if on_data_change not in DATA_CHANGES:
             raise ValueError(f"on_data_change must be one of {DATA_CHANGES}, not {on_data_change!r}")
         self.trainer = trainer
-        self.overlap = async_save if overlap is None else overlap
+        self.overlap = overlapped(async_save, overlap)
         self.async_save = async_save or self.overlap
         self.gate = StepGate()  # an overlapped save's snapshot runs until the optimizer's next step
         self.checkpointer = checkpointer

@@ -35,7 +35,7 @@ from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
 from ckpt_plugins.ext import (FAMILIES, FORMAT_NAME, HF_CONFIG, Handler, LoadItems, SaveHooks, SaveItems, StepGate,
-                              read_pointer, require_version, storage_for, stored_entries, take_finished)
+                              overlapped, read_pointer, require_version, storage_for, stored_entries, take_finished)
 
 from .family import OWN_NAMES
 from .gpt import MegatronModel, MegatronOptimizer, hf_config_json
@@ -170,8 +170,8 @@ def save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_op
     def write_tracker() -> None:  # only once the checkpoint is whole
         storage_for(args.save).put_atomic(TRACKER, str(iteration).encode())
 
-    asynchronous, overlap = bool(getattr(args, "async_save", False)), getattr(args, "ckpt_overlap", None)
-    overlap = asynchronous if overlap is None else overlap
+    asynchronous = bool(getattr(args, "async_save", False))
+    overlap = overlapped(asynchronous, getattr(args, "ckpt_overlap", None))
     path = checkpoint_dir(args.save, iteration)
     options = dict(framework="megatron", step=int(iteration), overwrite=True, layout=_layout(args),
                    hooks=SaveHooks(on_commit=write_tracker))

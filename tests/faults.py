@@ -1,16 +1,19 @@
 """Fault injection for the fault matrix: each phase of a save or load, each kind of fault, armed
 in one rank's process. Storage faults go through a faulty Storage (the `faulty://` scheme tests
 save to and load from), plan and finish faults through a state handler's own steps; only the
-snapshot's copy and the exchange's receiving side, which have no public seam, are patched."""
+snapshot's copy and the exchange's receiving side, which have no public seam, are patched; so are
+the snapshots an overlapped save's test holds back (`snapshots_held`)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -235,6 +238,20 @@ def arm(case: Case, rank: int, world: int, armed: Armed, path: str, mark: str) -
         patch(shm.Attached, "locate", lambda original: lambda *a, **k: act(case, mark))
         patch(channels.Incoming, "copy_from_buffer", lambda original: lambda *a, **k: act(case, mark))
     return undo
+
+
+@contextlib.contextmanager
+def snapshots_held(timeout: float = 60.0) -> Iterator[threading.Event]:
+    """Snapshots start only once the event yielded is set (as a slow copy would finish late), or
+    after `timeout` seconds: a save that wrongly waits for its snapshot fails its test instead of
+    hanging it."""
+    from ckpt_plugins._src.engine.write import StagedWrite
+    go, native = threading.Event(), StagedWrite.snapshot
+    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(timeout), native(self, buf, **kw))[1]
+    try:
+        yield go
+    finally:
+        StagedWrite.snapshot = native
 
 
 def report(path: str, **fields) -> None:

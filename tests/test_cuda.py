@@ -113,8 +113,8 @@ def test_an_overlapped_deepspeed_save_of_cuda_state_holds_the_step(tmp_path):
 
 
 def test_an_overlapped_megatron_save_of_cuda_state_holds_the_step(tmp_path):
-    """Megatron's own training step on the GPU (NCCL, one rank), `--ckpt-overlap` with the
-    distributed optimizer's parameter all-gather overlapped with the next forward: the snapshot
+    """Megatron's own training step on the GPU (NCCL, one rank), `--async-save` (overlapped by
+    default) with the distributed optimizer's parameter all-gather overlapped with the next forward: the snapshot
     holds the step saved, and the state loads bit for bit."""
     pytest.importorskip("megatron.core")
     from test_megatron_training import overlapped_save_worker

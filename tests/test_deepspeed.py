@@ -137,7 +137,7 @@ def overlapped_saves_hold_the_step(rank, world, root):
     With a "host_memory" budget below the save, which then streams through it, compressed ("compress")."""
     import threading
 
-    from ckpt_plugins._src.engine.write import StagedWrite
+    from faults import snapshots_held
     from hf_models import batch
     accumulate = {"train_micro_batch_size_per_gpu": ds_util.GLOBAL_ROWS // world, "gradient_accumulation_steps": 2,
                   "checkpoint": {"backend": "bytecheckpoint", "async": True, "host_memory": "64KiB",
@@ -146,9 +146,7 @@ def overlapped_saves_hold_the_step(rank, world, root):
     for micro in range(2):
         ds_util.step(eng, micro)
     ref = ds_util.full_state(eng)
-    go, native = threading.Event(), StagedWrite.snapshot
-    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(60), native(self, buf, **kw))[1]  # (a save that waits for it fails, not hangs)
-    try:
+    with snapshots_held() as go:
         eng.save_checkpoint(os.path.join(root, "overlap"))
         handle = cp.checkpointer()._last
         assert not handle._snapshot.is_set()
@@ -158,8 +156,6 @@ def overlapped_saves_hold_the_step(rank, world, root):
             if micro == 1:  # the boundary: the optimizer steps now
                 threading.Timer(0.3, go.set).start()
             eng.step()
-    finally:
-        StagedWrite.snapshot = native
     info = handle.wait()
     # bigger than the budget: streamed through it, the snapshot waiting for the writes
     assert info.rank_bytes > 64 << 10 >= cp.checkpointer().pool.allocated_bytes > 0

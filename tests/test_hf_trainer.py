@@ -132,9 +132,7 @@ def overlapped_run(rank, world, out_dir, result_path, device):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     import hf_ext.trainer
-    from ckpt_plugins._src.engine.write import StagedWrite
-    go, native = threading.Event(), StagedWrite.snapshot
-    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(60), native(self, buf, **kw))[1]  # (a save that waits for it fails, not hangs)
+    from faults import snapshots_held
     seen = {}
 
     class Watch(TrainerCallback):
@@ -155,8 +153,8 @@ def overlapped_run(rank, world, out_dir, result_path, device):
     trainer = Trainer(model=tiny_llama(0), args=args, train_dataset=Tokens(), callbacks=[Watch()])
     assert trainer.model.device.type == device
     hf_ext.trainer.enable(trainer, async_save=True, host_memory="64KiB", compress=True)
-    trainer.train()
-    StagedWrite.snapshot = native
+    with snapshots_held() as go:
+        trainer.train()
     # bigger than the budget: streamed through it, the snapshot waiting for the writes
     assert seen["handle"].wait().rank_bytes > 64 << 10 >= cp.checkpointer().pool.allocated_bytes > 0
     assert any(b.group for t in cp.read_metadata(seen["handle"].path).tensors.values() for b in t.boxes)

@@ -183,7 +183,7 @@ def overlapped_save_worker(rank, world, root):
 
     import megatron_util as mu
     import megatron_ext.training as bcp
-    from ckpt_plugins._src.engine.write import StagedWrite
+    from faults import snapshots_held
     megatron_args(1, 1, root, "--ckpt-backend", "bytecheckpoint", "--async-save", "--use-persistent-ckpt-worker",
                   "--overlap-grad-reduce",
                   "--overlap-param-gather", "--ckpt-host-memory", "64KiB", "--ckpt-compress")  # (installs the CPU shim first)
@@ -201,9 +201,7 @@ def overlapped_save_worker(rank, world, root):
     saved = [p.detach().clone() for p in model.parameters()] + [
         t.clone() for s in opt.chained_optimizers[0].optimizer.state.values() for t in s.values()]
 
-    go, native = threading.Event(), StagedWrite.snapshot
-    StagedWrite.snapshot = lambda self, buf, **kw: (go.wait(60), native(self, buf, **kw))[1]  # (a save that waits for it fails, not hangs)
-    try:
+    with snapshots_held() as go:
         training.save_checkpoint(2, [model], opt, sched, 0.0)
         handle = cp.checkpointer()._last
         assert not handle._snapshot.is_set()  # returned before the snapshot
@@ -215,8 +213,6 @@ def overlapped_save_worker(rank, world, root):
 
         opt.step = step
         mu.megatron_train_step(model, opt, sched, 2)
-    finally:
-        StagedWrite.snapshot = native
     info = handle.wait()
     # bigger than the budget: streamed through it, the snapshot waiting for the writes
     assert info.rank_bytes > 64 << 10 >= cp.checkpointer().pool.allocated_bytes > 0

@@ -13,6 +13,12 @@ from typing import Optional
 from .results import SaveHandle
 
 
+def overlapped(asynchronous: bool, overlap: Optional[bool]) -> bool:
+    """Whether a hook's save overlaps the next forward and backward: as `overlap` says (True
+    implies an asynchronous save), else whenever the save is asynchronous (every hook's default)."""
+    return asynchronous if overlap is None else bool(overlap)
+
+
 class StepGate:
     """Holds optimizer steps until the pending overlapped save's snapshot is taken."""
 
