@@ -235,7 +235,7 @@ def arm(case: Case, rank: int, world: int, armed: Armed, path: str, mark: str) -
         storage_fault("read_into", lambda name, offset: act(case, mark) if name == file and start <= offset < end
                       else None)
     elif phase == "exchange":  # this rank is a needer: it fails taking what the reader passed on
-        patch(shm.Attached, "locate", lambda original: lambda *a, **k: act(case, mark))
+        patch(shm.Attached, "memory", lambda original: lambda *a, **k: act(case, mark))
         patch(channels.Incoming, "copy_from_buffer", lambda original: lambda *a, **k: act(case, mark))
     return undo
 

@@ -405,19 +405,22 @@ def read_once_worker(rank, world, path, totals_path, ring_bytes):
         Ring.BYTES = ring_bytes
     rings, init = [], Ring.__init__
     Ring.__init__ = lambda self, sizes, **kw: (init(self, sizes, **kw), rings.append(self.size))[0]
-    model = make(seed=7, depth=24)
+    model = make(seed=7, depth=DEPTH)
     result = cp.load(path, {"model": model})
     for k, v in model.state_dict().items():
-        assert torch.equal(v, make(depth=24).state_dict()[k]), k
+        assert torch.equal(v, make(depth=DEPTH).state_dict()[k]), k
     totals = [None] * world
     dist.all_gather_object(totals, (result.read_bytes, rings))
     if rank == 0:
         torch.save(totals, totals_path)
 
 
-@pytest.mark.parametrize("ring_bytes", [None, 1])
+DEPTH = 72  # 144 ranges: each reader announces over 32 (`shm.ANNOUNCED`) to each other rank
+
+
+@pytest.mark.parametrize("ring_bytes", [None, 1, 32 << 10])  # one pass; one range per pass; a few per pass
 def test_replicated_load_reads_each_byte_once(tmp_path, ring_bytes):
-    cp.save(tmp_path / "r", {"model": make(depth=24)})
+    cp.save(tmp_path / "r", {"model": make(depth=DEPTH)})
     run_ranks(4, read_once_worker, str(tmp_path / "r"), str(tmp_path / "totals"), ring_bytes)
     totals = [t[0] for t in torch.load(tmp_path / "totals")]
     stored = sum(b.nbytes for t in cp.read_metadata(tmp_path / "r").tensors.values() for b in t.boxes)
@@ -450,6 +453,18 @@ def test_ring_reuses_memory_oldest_range_first(monkeypatch):
     assert torch.equal(ring.memory[128:228], torch.full((100,), 3, dtype=torch.uint8))
     ring.drain()
     assert retired == [0, 1, 2, 3, 4] and not ring.entries
+
+
+def test_ring_passes_end_before_a_range_that_would_retire_one_of_their_own(monkeypatch):
+    from ckpt_plugins._src.engine.ring import Ring
+    monkeypatch.setattr(Ring, "ALIGN", 64)
+    monkeypatch.setattr(Ring, "BYTES", 256)
+    ring = Ring([100, 100, 300])  # 320 bytes: the largest range
+    assert ring.passes([100] * 5, limit=1000) == [0, 0, 1, 1, 2]  # two 128-byte ranges, then it wraps
+    assert ring.passes([100, 300, 100], limit=1000) == [0, 1, 2]
+    assert ring.passes([100] * 3, limit=256) == [0, 0, 1]  # past the limit
+    assert ring.passes([300, 10], limit=128) == [0, 1]  # a first range bigger than the limit
+    assert not ring.entries  # nothing taken
 
 
 def split_save_worker(rank, world, path):

@@ -186,23 +186,27 @@ def test_a_failed_load_leaves_no_optimizer_state_behind(tmp_path):
     assert not wrong_opt.state
 
 
-def test_aligned_reads_bypass_the_page_cache_and_truncation_is_still_named(tmp_path, monkeypatch):
-    from ckpt_plugins._src.hostmem import aligned_empty
-    data = os.urandom(3 * 4096 + 100)
+def test_big_aligned_reads_bypass_the_page_cache_and_truncation_is_still_named(tmp_path, monkeypatch):
+    from ckpt_plugins._src.hostmem import DIRECT_MIN, aligned_empty
+    body = DIRECT_MIN + 3 * 4096
+    data = os.urandom(body + 100)
     (tmp_path / "f.bin").write_bytes(data)
     storage, direct, read = LocalStorage(str(tmp_path)), [], LocalStorage._direct_read
     monkeypatch.setattr(LocalStorage, "_direct_read",
                         staticmethod(lambda path, offset, view: direct.append((offset, len(view))) or read(path, offset, view)))
     buffer = aligned_empty(len(data))[:len(data)]
     storage.read_into("f.bin", 0, memoryview(buffer.numpy()))
-    assert bytes(buffer.numpy()) == data and direct == [(0, 3 * 4096)]  # the aligned body; the tail buffered
+    assert bytes(buffer.numpy()) == data and direct == [(0, body)]  # the aligned body; the tail buffered
     direct.clear()
-    for offset, at in ((4096, 1), (100, 0)):  # an unaligned address or file offset: buffered only
-        out = aligned_empty(8192)[at:at + 4096]
+    # an unaligned address or file offset, or an aligned range under DIRECT_MIN (the page cache's
+    # to keep): buffered only
+    for offset, at, n in ((4096, 1, DIRECT_MIN), (100, 0, DIRECT_MIN), (4096, 0, 3 * 4096)):
+        out = aligned_empty(n + 4096)[at:at + n]
         storage.read_into("f.bin", offset, memoryview(out.numpy()))
-        assert bytes(out.numpy()) == data[offset:offset + 4096] and not direct
-    with pytest.raises(cp.CorruptCheckpointError, match=r"f\.bin is truncated: wanted bytes 0\.\.16384, file ends at 12388"):
-        storage.read_into("f.bin", 0, memoryview(aligned_empty(4 * 4096).numpy()))
+        assert bytes(out.numpy()) == data[offset:offset + n] and not direct
+    with pytest.raises(cp.CorruptCheckpointError,
+                       match=rf"f\.bin is truncated: wanted bytes 0\.\.{body + 4096}, file ends at {body + 100}"):
+        storage.read_into("f.bin", 0, memoryview(aligned_empty(body + 4096).numpy()))
 
 
 def test_shared_memory_segments_are_only_ours():

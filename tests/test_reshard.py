@@ -324,8 +324,8 @@ def rows_to_columns_worker(rank, world, path, out_path, shared_memory):
 def test_resharded_read_once_sends_only_what_each_rank_wants(tmp_path, shared_memory):
     """Rows saved, columns loaded: every stored box is wanted half by each rank. One rank reads
     it; the other gets its half packed, straight into its tensor, or, sharing the reader's host,
-    copies it out of the reader's shared memory, told where by a header. A rank that cannot get
-    shared memory sends over the group instead."""
+    copies it out of the reader's shared memory, told where by one announcement for all its
+    ranges, acknowledged once. A rank that cannot get shared memory sends over the group instead."""
     from ckpt_plugins._src import shm
     out = str(tmp_path / "out")
     ours = lambda: {f for f in os.listdir(shm.SHM_DIR) if f.startswith("ckpt_plugins-")}  # noqa: E731
@@ -337,14 +337,14 @@ def test_resharded_read_once_sends_only_what_each_rank_wants(tmp_path, shared_me
     steps = len(EVEN) * 4  # AdamW's float32 step, stored once, wanted by both ranks
     transfers = 2 * 3 * 2 + len(EVEN)  # two row boxes of each 2-D tensor, and the steps
     print(f"rows -> columns on 2 ranks ({shared_memory}): sent {sent} bytes, rings {[r[1] for r in ranks]}")
-    if shared_memory is True:  # a header and an acknowledgement per transfer
-        assert sum(sent) == transfers * (shm.HEADER_BYTES + 8)
+    if shared_memory is True:  # each rank: one announcement and one acknowledgement, not two per transfer
+        assert sorted(ranks[0][0]) == sorted(ranks[1][0]) == [8, shm.ANNOUNCE_BYTES] and transfers > 2
     elif shared_memory is False:
         assert sum(sent) == two_d // 2 + steps  # not the whole boxes (two_d)
         assert all(r[1][1] == 0 for r in ranks)  # no receive buffers: payloads land in the destination
-    else:  # rank 0 sends payloads, rank 1 headers; acknowledgements only for rank 1's transfers
-        assert shm.HEADER_BYTES not in ranks[0][0] and 8 not in ranks[1][0]
-        assert shm.HEADER_BYTES in ranks[1][0] and 8 in ranks[0][0]
+    else:  # rank 0 sends payloads, rank 1 an announcement; rank 0 acknowledges it
+        assert shm.ANNOUNCE_BYTES not in ranks[0][0] and 8 not in ranks[1][0]
+        assert ranks[1][0] == [shm.ANNOUNCE_BYTES] and 8 in ranks[0][0]
     stored = sum(b.nbytes for t in cp.read_metadata(tmp_path / "ckpt").tensors.values() for b in t.boxes)
     assert sum(r[2] for r in ranks) == stored  # each byte read once
     assert ours() == before  # no segment outlives the load

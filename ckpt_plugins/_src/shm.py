@@ -1,25 +1,29 @@
 """Shared memory between the ranks of one host, for read-once loads.
 
 A reader's read ring lives in a /dev/shm file; the other ranks on its host copy the regions they
-want straight out of it, told where by a small header over the process group, instead of
+want straight out of it, told where by a small announcement over the process group (one for many ranges), instead of
 receiving them through sockets: no packing, no socket copies, and each rank copies its own
 regions on its own core.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
 import secrets
 import socket
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 SHM_DIR = "/dev/shm"
 HOST_ENV, SHM_DIR_ENV = "CKPT_PLUGINS_HOST", "CKPT_PLUGINS_SHM_DIR"
 _NAME = re.compile(r"ckpt_plugins-(\d+)-[0-9a-f]{16}")
-HEADER_BYTES = 128  # where a range lies: its offset (8 bytes) and the segment's path
+ANNOUNCED = 32  # the most ranges one announcement names
+PATH_BYTES = 120
+ANNOUNCE_BYTES = 16 + 8 * ANNOUNCED + PATH_BYTES  # count, final, offsets, the segment's path
 
 
 def shm_dir() -> str:
@@ -83,6 +87,8 @@ class Segment:
     def create(cls, nbytes: int) -> "Segment":
         remove_stale()
         path = os.path.join(shm_dir(), f"ckpt_plugins-{os.getpid()}-{secrets.token_hex(8)}")
+        if len(path.encode()) > PATH_BYTES:  # other ranks could not be told it
+            raise OSError(errno.ENAMETOOLONG, f"a shared-memory path longer than {PATH_BYTES} bytes", path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # reserve the memory now: a full /dev/shm raises here, not SIGBUS on a later write
@@ -113,10 +119,30 @@ class Segment:
             except FileNotFoundError:
                 pass
 
-    def header(self, offset: int) -> torch.Tensor:
-        """The header telling another rank that a range starts at `offset` of this segment."""
-        data = offset.to_bytes(8, "little") + self.path.encode()
-        return torch.frombuffer(bytearray(data.ljust(HEADER_BYTES, b"\0")), dtype=torch.uint8)
+    def announcement(self, offsets: Sequence[int], final: bool) -> torch.Tensor:
+        """Tells another rank that ranges start at `offsets` (at most ANNOUNCED) of this segment;
+        `final`: the last of a pass over the ring, acknowledged once its ranges are copied out."""
+        words = [len(offsets), int(final)] + list(offsets) + [0] * (ANNOUNCED - len(offsets))
+        data = b"".join(w.to_bytes(8, "little") for w in words) + self.path.encode().ljust(PATH_BYTES, b"\0")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@dataclass
+class Announcement:
+    """What a received announcement says: where its ranges start in the segment at `path`, and
+    whether it ends a pass (then acknowledged)."""
+    path: str
+    offsets: List[int]
+    final: bool
+
+    @classmethod
+    def parse(cls, message: torch.Tensor) -> "Announcement":
+        data = bytes(message.numpy())
+        words = [int.from_bytes(data[8 * i:8 * i + 8], "little") for i in range(2 + ANNOUNCED)]
+        count = words[0]
+        if not 0 < count <= ANNOUNCED:
+            raise ValueError(f"a shared-memory announcement of {count} ranges (1 to {ANNOUNCED})")
+        return cls(data[16 + 8 * ANNOUNCED:].rstrip(b"\0").decode(), words[2:2 + count], bool(words[1]))
 
 
 class Attached:
@@ -125,10 +151,8 @@ class Attached:
     def __init__(self):
         self.segments: Dict[str, Segment] = {}
 
-    def locate(self, header: torch.Tensor) -> Tuple[torch.Tensor, int]:
-        """The segment's bytes and the offset a received header names."""
-        data = bytes(header.numpy())
-        path = data[8:].rstrip(b"\0").decode()
+    def memory(self, path: str) -> torch.Tensor:
+        """The bytes of the segment at `path` (an announcement's)."""
         if path not in self.segments:
             self.segments[path] = Segment.attach(path)
-        return self.segments[path].tensor, int.from_bytes(data[:8], "little")
+        return self.segments[path].tensor

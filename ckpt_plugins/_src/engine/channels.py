@@ -3,17 +3,20 @@ interface: a reader serves its needers, a needer receives. Two channels:
 - `GroupChannel`, over the process group: the reader sends each needer only the regions it wants,
   packed (a contiguous region goes as a view of the bytes read); a needer receives straight into
   its destination when that is one contiguous view, else into ring memory it copies out of.
-- `SharedMemoryChannel`, between ranks of one host: the reader reads into a shared-memory ring and
-  sends a header saying where; a needer copies its regions out and acknowledges, after which the
-  reader may reuse the range.
+- `SharedMemoryChannel`, between ranks of one host: the reader reads into a shared-memory ring and,
+  once a pass over it is read (`exchange.Batch`), announces to each needer where its ranges lie,
+  in one small message for up to `shm.ANNOUNCED` of them; a needer copies its regions out and
+  acknowledges the pass, after which the reader may reuse its memory. Two messages per pass and
+  needer, not two per range: a small load shares dozens of ranges, each message costing about as
+  much as reading one.
 
 Every send and receive a rank promised is posted even after its own part failed (garbage of the
 promised size is sent then): the other ranks never wait for one that does not come.
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Callable, List, Optional, Sequence
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 import torch
 
@@ -60,7 +63,7 @@ class Failures:
 class Incoming:
     """A shared read another rank reads, which this rank needs: the regions it wants, packed in
     the order of `read_regions`, landing straight in the destination when that is one contiguous
-    view (`direct`), else in `buffer` (ring memory, or a header for shared memory)."""
+    view (`direct`), else in `buffer` (ring memory; shared memory's needers copy from the reader's)."""
 
     def __init__(self, read: ReadItem, transfer: Transfer, targets: Sequence[Fragment], dtype: torch.dtype,
                  local: bool):
@@ -83,26 +86,19 @@ class Incoming:
             sub_view(target.local, target.offsets, copy.region).copy_(src)
 
 
-class Channel(ABC):
+class Channel:
     """One way a shared read's bytes travel; `coord` is the load's Coordinator."""
 
     def __init__(self, coord, failures: Failures):
         self.coord, self.failures = coord, failures
-
-    @abstractmethod
-    def serve(self, job, tag: int) -> None:
-        """On the reader: post everything promised to this channel's needers of `job` (a
-        `exchange.ReadJob`); the works go to `job.works`, to be waited for before reuse."""
-
-    @abstractmethod
-    def post(self, incoming: Incoming) -> None:
-        """On a needer: post the receive that can be posted at once (`incoming.work`)."""
 
 
 class GroupChannel(Channel):
     """Needers on other hosts, over the process group."""
 
     def serve(self, job, tag: int) -> None:
+        """On the reader: send each needer of `job` (an `exchange.ReadJob`) its regions; the works
+        go to `job.works`, to be waited for before the range is reused."""
         for rank, regions in job.remote:
             payload = None if job.failed else self.failures.attempt(lambda: job.payload(regions))
             if payload is None:  # garbage of the promised size: the load fails anyway
@@ -110,7 +106,7 @@ class GroupChannel(Channel):
             self.failures.post(job.works, self.coord.isend, payload, rank, tag)
 
     def post(self, incoming: Incoming) -> None:
-        """Straight into the destination (when it is one contiguous view)."""
+        """On a needer: the receive straight into the destination (one contiguous view)."""
         incoming.buffer = incoming.direct
         incoming.work = self.failures.attempt(
             lambda: self.coord.irecv(incoming.buffer, incoming.transfer.reader, incoming.transfer.tag))
@@ -147,38 +143,79 @@ class SharedMemoryChannel(Channel):
         self.attached = shm.Attached()
         self.acks: list = []  # this rank's acknowledgements, waited for at the end
         self.ack = torch.zeros(1, dtype=torch.int64)
+        self.queues: Dict[int, Deque[Incoming]] = {}  # by reader: the ranges not yet announced
+        self.listening: Dict[int, tuple] = {}  # by reader: the announcement posted for (buffer, work)
+        self.located: Dict[int, tuple] = {}  # by tag: (segment path, offset) of an announced range
+        self.acks_due: Dict[int, int] = {}  # by tag: the acknowledgement due once that range is copied
 
-    def serve(self, job, tag: int) -> None:
-        if not job.local:
-            return
-        offset = 0 if job.memory is None else job.memory.data_ptr() - self.segment.tensor.data_ptr()
-        header, acks = self.segment.header(offset), [torch.empty(1, dtype=torch.int64) for _ in job.local]
-        job.keep = [header, acks]
-        for rank, ack in zip(job.local, acks):
-            self.failures.post(job.works, self.coord.isend, header, rank, tag)
-            self.failures.post(job.works, self.coord.irecv, ack, rank, tag)
+    def announce(self, jobs: Sequence, into) -> None:
+        """On the reader: tell each needer where its ranges among `jobs` (a pass, every one
+        served) lie, and post the receive of its acknowledgement; the works and buffers go to
+        `into`, a job of the pass, retired with the others."""
+        base = self.segment.tensor.data_ptr()
+        for rank in sorted({r for job in jobs for r in job.local}):
+            mine = [job for job in jobs if rank in job.local]
+            for at in range(0, len(mine), shm.ANNOUNCED):
+                part = mine[at:at + shm.ANNOUNCED]
+                message = self.segment.announcement([0 if j.memory is None else j.memory.data_ptr() - base
+                                                     for j in part], final=at + shm.ANNOUNCED >= len(mine))
+                into.keep.append(message)
+                self.failures.post(into.works, self.coord.isend, message, rank, part[0].transfer.tag)
+            ack = torch.empty(1, dtype=torch.int64)
+            into.keep.append(ack)
+            self.failures.post(into.works, self.coord.irecv, ack, rank, part[0].transfer.tag)
 
     def post(self, incoming: Incoming) -> None:
-        """The header saying where the range lies."""
-        incoming.buffer = torch.empty(shm.HEADER_BYTES, dtype=torch.uint8)
-        incoming.work = self.failures.attempt(
-            lambda: self.coord.irecv(incoming.buffer, incoming.transfer.reader, incoming.transfer.tag))
+        """Queue the range under its reader; the first of each reader's announcements is posted
+        by `listen`."""
+        self.queues.setdefault(incoming.transfer.reader, deque()).append(incoming)
+
+    def listen(self) -> None:
+        """Post the receive of each reader's next announcement (after `post` of every range)."""
+        for reader, queue in self.queues.items():
+            if queue and reader not in self.listening:
+                buffer = torch.empty(shm.ANNOUNCE_BYTES, dtype=torch.uint8)
+                self.listening[reader] = (buffer, self.failures.attempt(
+                    lambda: self.coord.irecv(buffer, reader, queue[0].transfer.tag)))
 
     def receive(self, incoming: Incoming, recorder: Recorder) -> None:
-        """Copy out of the reader's segment, then acknowledge (the reader waits for it: posted
-        whatever happened)."""
+        """Copy out of the reader's segment once announced, then acknowledge the pass if this
+        range ends it (the reader waits for that: posted whatever happened)."""
+        tag = incoming.transfer.tag
+        if tag not in self.located and incoming.transfer.reader in self.listening:
+            self._announced(incoming.transfer.reader)
         with recorder.phase("receive", incoming.nbytes, shm_bytes=incoming.nbytes):
-            self._copy(incoming)
-        self.failures.post(self.acks, self.coord.isend, self.ack, incoming.transfer.reader, incoming.transfer.tag)
+            self._copy(incoming, self.located.pop(tag, None))
+        if tag in self.acks_due:
+            self.failures.post(self.acks, self.coord.isend, self.ack, incoming.transfer.reader,
+                               self.acks_due.pop(tag))
 
-    def _copy(self, incoming: Incoming) -> None:
+    def _announced(self, reader: int) -> None:
+        """Take the reader's next announcement: where its next ranges lie. Only a rank that is
+        gone (the receive failed) leaves them unlocated."""
+        buffer, work = self.listening.pop(reader)
         try:
-            if incoming.work is None:  # posting it failed (recorded)
+            if work is None:  # posting it failed (recorded)
                 return
-            incoming.work.wait()
-            if self.failures:
+            work.wait()
+            said = shm.Announcement.parse(buffer)
+        except BaseException as exc:
+            self.failures.record(exc)
+            return
+        queue = self.queues[reader]
+        ranges = [queue.popleft() for _ in range(min(len(said.offsets), len(queue)))]
+        for item, offset in zip(ranges, said.offsets):
+            self.located[item.transfer.tag] = (said.path, offset)
+        if said.final and ranges:
+            self.acks_due[ranges[-1].transfer.tag] = ranges[0].transfer.tag
+        self.listen()
+
+    def _copy(self, incoming: Incoming, where: Optional[tuple]) -> None:
+        try:
+            if where is None or self.failures:  # not announced (recorded), or failed before
                 return
-            memory, offset = self.attached.locate(incoming.buffer)
+            path, offset = where
+            memory = self.attached.memory(path)
             t, read = incoming.transfer, incoming.read
             copy_out(read, memoryview(memory[offset + read.start - t.start:offset + read.end - t.start].numpy()),
                      incoming.targets, incoming.dtype)

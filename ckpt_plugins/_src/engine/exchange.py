@@ -26,7 +26,7 @@ import torch
 from .. import hostmem, shm
 from ..format import dtype_from_name
 from ..fragment import Fragment
-from ..hostmem import align_up
+from ..hostmem import DIRECT_MIN, align_up
 from ..plan import ReadItem
 from ..read_once import Transfer
 from ..storage import Storage
@@ -36,6 +36,7 @@ from .read import contiguous_destination, copy_out, needs_packing, payload_bytes
 from .ring import Ring
 
 READ_PIECE = 8 << 20  # a big stored range is read as pieces of this size in parallel
+ANNOUNCE_BYTES = 8 << 20  # a reader announces its shared ranges to its host's needers per pass of this much
 
 log = logging.getLogger("ckpt_plugins")
 
@@ -63,6 +64,26 @@ def read_items(storage: Storage, work: ReadWork, coord=None, threads: int = 2,
     return ReadExchange(storage, work, coord, recorder or Recorder("load", "", 0, enabled=False)).run(threads)
 
 
+class Batch:
+    """The reads of one pass over a reader's ring that ranks on its host copy out (`Ring.passes`):
+    announced to them together once all are served, and retired together once acknowledged."""
+
+    def __init__(self):
+        self.jobs: List["ReadJob"] = []
+        self.left = 0  # not yet served
+        self.retired = False
+
+    def add(self, job: "ReadJob") -> None:
+        self.jobs.append(job)
+        self.left += 1
+        job.batch = self
+
+    def served(self) -> bool:
+        """One more served (on the serving thread); whether it was the last."""
+        self.left -= 1
+        return self.left == 0
+
+
 class ReadJob:
     """One read of this rank: split into pieces that run in parallel; the last to land hands it to
     the serving stage, which copies it into its destination and passes it on to the other needers."""
@@ -82,6 +103,7 @@ class ReadJob:
         self.works: list = []  # sends and acknowledgements to wait for before the range is reused
         self.keep: list = []  # what those works send from or receive into
         self.memory: Optional[torch.Tensor] = None  # ring memory, when the read lands there
+        self.batch: Optional[Batch] = None  # when ranks on this host copy it out
         self.route([], [])
 
     def route(self, local: List[int], remote: list) -> None:
@@ -93,7 +115,7 @@ class ReadJob:
         # host copy from the shared ring: then the serving stage copies it there.
         align = self.storage.direct_alignment
         bounce = (self.dest is not None and bool(align) and (self.read.stored.offset + self.start) % align == 0
-                  and self.dest.data_ptr() % align != 0 and self.end - self.start >= align)
+                  and self.dest.data_ptr() % align != 0 and self.end - self.start >= DIRECT_MIN)
         self.direct = None if bounce or self.local else self.dest
         self.data = None if self.direct is None else memoryview(self.direct.numpy())
         # payloads to pack, one per distinct region list among the needers on other hosts
@@ -199,6 +221,18 @@ class ReadExchange:
         if not all(self.ready):
             self._route()
 
+    def _batch(self) -> None:
+        """The reads this rank serves to ranks on its host, grouped by pass over its ring (a read
+        of nothing joins the pass before it)."""
+        taking = [job for job in self.jobs if job.ring_bytes]
+        passes = dict(zip(map(id, taking), self.read_ring.passes([job.ring_bytes for job in taking], ANNOUNCE_BYTES)))
+        batches: Dict[int, Batch] = {}
+        current = 0
+        for job in self.jobs:
+            current = passes.get(id(job), current)
+            if job.local:
+                batches.setdefault(current, Batch()).add(job)
+
     # ------------------------------------------------------------ the stages
 
     def _exchange(self, threads: int) -> int:
@@ -210,6 +244,7 @@ class ReadExchange:
                     for p, t in sorted(work.transfers.items(), key=lambda pt: pt[1].tag) if t.reader != self.rank]
         self.read_ring = Ring([job.ring_bytes for job in self.jobs],
                               memory=self.segment.tensor if self.segment is not None else None)
+        self._batch()
         self.unacked = {r for job in self.jobs for r in job.local}  # ranks that have not attached the segment yet
         nbytes = 0
         # Read threads only read and verify, keeping the device's queue full; one serving thread
@@ -278,7 +313,8 @@ class ReadExchange:
             if job.transfer is not None:
                 with self.send_lock, recorder.phase("send", job.send_bytes):
                     self.group.serve(job, job.transfer.tag)
-                    self.shared.serve(job, job.transfer.tag)
+                    if job.batch is not None and job.batch.served():
+                        self.shared.announce(job.batch.jobs, into=job)
             if job.dest is None and not job.failed:
                 with recorder.phase("copy", job.read.end - job.read.start):
                     attempt(lambda: copy_out(job.read, job.data[job.read.start - job.start:job.read.end - job.start],
@@ -291,11 +327,12 @@ class ReadExchange:
     def _receive(self, incoming: List[Incoming]) -> None:
         """Stage 3 (this thread): the shared ranges other ranks read for this one, in the
         transfers' order; buffered payloads take receive-ring space, which completes the oldest."""
-        for item in incoming:  # headers and straight-to-destination payloads: posted at once
+        for item in incoming:  # straight-to-destination payloads: posted at once
             if item.local:
                 self.shared.post(item)
             elif item.direct is not None:
                 self.group.post(item)
+        self.shared.listen()
         receive_ring = Ring([i.nbytes for i in incoming if i.direct is None and not i.local])
         for item in incoming:
             if item.local:
@@ -310,7 +347,16 @@ class ReadExchange:
         self.shared.wait_acks()
 
     def _retire(self, job: ReadJob) -> None:
-        job.retire(self.failures)
-        self.unacked.difference_update(job.local)
+        """Its ring memory may be reused once this returns: a read of a batch waits for the
+        whole batch's acknowledgements."""
+        jobs = [job]
+        if job.batch is not None:  # retired together, once (the ring's thread, then this one)
+            if job.batch.retired:
+                return
+            jobs, job.batch.retired = job.batch.jobs, True
+        for each in jobs:
+            each.retire(self.failures)
+        for each in jobs:
+            self.unacked.difference_update(each.local)
         if self.segment is not None and not self.unacked:  # every rank attached: the name can go
             self.segment.unlink()

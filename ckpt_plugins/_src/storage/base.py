@@ -58,7 +58,8 @@ class Storage(ABC):
     @property
     def direct_alignment(self) -> Optional[int]:
         """The alignment (of file offset, memory address and length) at which `read_into` bypasses
-        the page cache; None when it never does. Loads then stage reads in aligned memory."""
+        the page cache for a range of `hostmem.DIRECT_MIN` bytes or more; None when it never does.
+        Loads then stage such reads in aligned memory."""
         return None
 
     @property

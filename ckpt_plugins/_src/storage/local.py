@@ -1,14 +1,14 @@
 """A POSIX directory as Storage: O_DIRECT writes from aligned buffers, O_DIRECT reads where the
-range and the memory are aligned, an atomic rename for the metadata."""
+range and the memory are aligned and the range is big, an atomic rename for the metadata."""
 from __future__ import annotations
 
 import errno
 import os
 import shutil
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from ..errors import CorruptCheckpointError, UnsafePathError
-from ..hostmem import PAGE as ALIGN
+from ..hostmem import DIRECT_MIN, PAGE as ALIGN
 from .base import Storage, Writer
 from .stream import address
 
@@ -69,6 +69,7 @@ class LocalStorage(Storage):
         self.root = os.path.abspath(root)
         self.direct_io = direct_io
         self._identity = identity  # a host's own copy of a checkpoint the ranks name alike
+        self._read_paths: Dict[str, str] = {}  # by name: the checked path of a file read from
 
     def __str__(self) -> str:
         return self.root
@@ -100,13 +101,16 @@ class LocalStorage(Storage):
         return ALIGN if self.direct_io and hasattr(os, "O_DIRECT") else None
 
     def read_into(self, name: str, offset: int, buffer) -> None:
-        """Bytes at `offset` into `buffer`: the page-aligned body of an aligned range with O_DIRECT
-        (faster cold reads, at a fraction of the CPU time, than through the page cache),
-        the rest, and filesystems without direct I/O, buffered."""
+        """Bytes at `offset` into `buffer`: the page-aligned body of an aligned range of at least
+        DIRECT_MIN bytes with O_DIRECT (faster cold reads, at a fraction of the CPU time, than
+        through the page cache); the rest, smaller ranges (which the page cache keeps: with
+        O_DIRECT each costs a trip to the device) and filesystems without direct I/O, buffered."""
         view = memoryview(buffer).cast("B")
-        path = self.path(name)
+        path = self._read_paths.get(name)
+        if path is None:  # resolved once: a load reads many ranges of a file, and resolving walks its directories
+            path = self._read_paths[name] = self.path(name)
         done = 0
-        if self.direct_alignment and offset % ALIGN == 0 and address(view) % ALIGN == 0 and len(view) >= ALIGN:
+        if self.direct_alignment and offset % ALIGN == 0 and address(view) % ALIGN == 0 and len(view) >= DIRECT_MIN:
             try:
                 done = self._direct_read(path, offset, view[:len(view) // ALIGN * ALIGN])
             except OSError as exc:
