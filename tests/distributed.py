@@ -49,7 +49,9 @@ def _env_worker(rank, world_size, port, fn, args):
 def exit_without_teardown() -> None:
     """End a rank now, once every rank got here, without the interpreter's teardown: stock gloo
     runs of the Trainer and of DeepSpeed aborted there now and then ("terminate called without an
-    active exception"), in runs without the plugin too."""
+    active exception"), in runs without the plugin too, and so did a one-process accelerate run
+    (not reproduced in 55 runs here; the likely cause: at teardown Python 3.11 ends a daemon
+    thread that is still in native code with pthread_exit, which aborts in a noexcept C++ frame)."""
     import sys
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

@@ -1,9 +1,9 @@
 """Shared memory between the ranks of one host, for read-once loads.
 
 A reader's read ring lives in a /dev/shm file; the other ranks on its host copy the regions they
-want straight out of it, told where by a small announcement over the process group (one for many ranges), instead of
-receiving them through sockets: no packing, no socket copies, and each rank copies its own
-regions on its own core.
+want straight out of it, told where by a small announcement over the process group (one for many
+ranges), instead of receiving them through sockets: no packing, no socket copies, and each rank
+copies its own regions on its own core.
 """
 from __future__ import annotations
 
