@@ -1,6 +1,7 @@
 """Run a function on N real processes joined by a gloo group on 127.0.0.1."""
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import socket
@@ -16,8 +17,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, backend="gloo"):
+# Ranks fork from one server process that imported these once: a spawned rank spent 4-10 s of
+# CPU importing them before its test began. Megatron is left out: its CPU shim patches torch.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "torch._inductor.compile_fx",
+           "ckpt_plugins", "transformers.models.llama.modeling_llama", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+           "transformers.trainer"]
+
+
+def rank_context():
+    """The multiprocessing context every test rank starts from (forked from the preloaded server)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts, on first use
+    return ctx
+
+
+def _start(worker, world_size: int, *args) -> None:
+    """Start `worker(rank, world_size, port, env, *args)` on each rank and wait; any rank's exception
+    fails the caller. `env` is the caller's environment now, which a forked rank would not see."""
+    rank_context()
+    mp.start_processes(worker, args=(world_size, free_port(), dict(os.environ)) + args, nprocs=world_size,
+                       join=True, start_method="forkserver")
+
+
+def _as_spawned(env: dict) -> None:
+    """Give a forked rank the caller's environment, as a spawned one has (`_exit_as_spawned` gives
+    it the exit functions an interpreter's exit runs)."""
     faulthandler.enable()  # a native abort in a rank prints every thread's Python stack
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _exit_as_spawned() -> None:
+    atexit._run_exitfuncs()  # a forked rank ends with os._exit, which skips them
+
+
+def _worker(rank, world_size, port, env, fn, args, backend="gloo"):
+    _as_spawned(env)
     os.environ["OMP_NUM_THREADS"] = "1"
     if backend == "nccl":
         import torch
@@ -26,24 +61,26 @@ def _worker(rank, world_size, port, fn, args, backend="gloo"):
                             world_size=world_size, timeout=timedelta(seconds=120))
     fn(rank, world_size, *args)  # on an error, no orderly teardown: it would wait for the other ranks
     dist.destroy_process_group()
+    _exit_as_spawned()
 
 
 def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
     """Call fn(rank, world_size, *args) on each rank; any rank's exception fails the caller.
     backend="nccl": rank r on GPU r."""
-    mp.spawn(_worker, args=(world_size, free_port(), fn, args, backend), nprocs=world_size, join=True)
+    _start(_worker, world_size, fn, args, backend)
 
 
-def _env_worker(rank, world_size, port, fn, args):
+def _env_worker(rank, world_size, port, env, fn, args):
     """A rank as torchrun starts it: the environment set, no process group yet (the framework
     under test creates it)."""
-    faulthandler.enable()
+    _as_spawned(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
     fn(rank, world_size, *args)
     if dist.is_initialized():
         dist.destroy_process_group()
+    _exit_as_spawned()
 
 
 def exit_without_teardown() -> None:
@@ -63,25 +100,25 @@ def exit_without_teardown() -> None:
 def run_env_ranks(world_size: int, fn, *args) -> None:
     """Like run_ranks, for frameworks that initialise torch.distributed themselves from the
     torchrun environment (the HF Trainer, accelerate, DeepSpeed)."""
-    mp.spawn(_env_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    _start(_env_worker, world_size, fn, args)
 
 
-def _lone_worker(rank, world_size, port, fn, args):
+def _lone_worker(rank, world_size, port, env, fn, args):
     """A rank whose failure does not take the others down (run_ranks_until)."""
-    faulthandler.enable()
+    _as_spawned(env)
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=120))
     fn(rank, world_size, *args)
+    _exit_as_spawned()
 
 
 def run_ranks_until(world_size: int, deadline: float, fn, *args) -> list:
     """Run fn on each rank, letting each live or die on its own (a killed rank leaves the others
     running); returns every process's exit code once all ended, killing any left at `deadline` s."""
     import time
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_lone_worker, args=(r, world_size, port, fn, args)) for r in range(world_size)]
+    ctx, port, env = rank_context(), free_port(), dict(os.environ)
+    procs = [ctx.Process(target=_lone_worker, args=(r, world_size, port, env, fn, args)) for r in range(world_size)]
     for p in procs:
         p.start()
     end = time.time() + deadline

@@ -26,7 +26,6 @@ import errno
 import faulthandler
 import glob
 import json
-import multiprocessing as mp
 import os
 import random
 import shutil
@@ -45,6 +44,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ckpt_plugins as cp
+from distributed import rank_context
 
 ROWS, COLS = 24, 64  # 24 rows: every rank count here divides them
 KINDS = ("kill", "disk_full", "s3_cut", "corrupt", "freeze", "host_lost")
@@ -480,8 +480,7 @@ def _run(life: Life, workdir: str, env: Dict[str, str]) -> dict:
     and wait for them (killing any left at the limit)."""
     store = dist.TCPStore("127.0.0.1", 0, life.world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
-    ctx = mp.get_context("forkserver")  # fresh processes, forked from one that imported torch once
-    ctx.set_forkserver_preload(["torch", "ckpt_plugins", "soak", "faults"] + (["s3fs"] if env else []))
+    ctx = rank_context()  # fresh processes, forked from one that imported torch once
     procs = [ctx.Process(target=rank_main, args=(r, life, workdir, store.port, env)) for r in range(life.world)]
     for p in procs:
         p.start()
