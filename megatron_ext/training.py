@@ -8,7 +8,8 @@ Enable it in your `pretrain_gpt.py` with two lines (the flag then switches it pe
     # with your own provider: extra_args_provider=bcp.with_arguments(my_provider)
 
 `install()` rebinds the two functions in `megatron.training.checkpointing` and in the modules that
-imported them by name (`training`); without the flag (`--ckpt-backend native`,
+imported them by name (`training`), and `training.maybe_finalize_async_save`, which `train()` and
+`pretrain()` call blocking as they end: it also waits for ckpt_plugins' pending save. Without the flag (`--ckpt-backend native`,
 the default) they call Megatron's own. Kept: `--save`/`--load`, `iter_NNNNNNN` directories,
 `latest_checkpointed_iteration.txt` (written by rank 0 once the checkpoint has committed), `--ckpt-step`,
 `--finetune`, `--no-save-optim`/`--no-load-optim`, `--no-save-rng`/`--no-load-rng`, `--use-checkpoint-args`
@@ -409,6 +410,15 @@ def install() -> None:
             warm_up(model, optimizer, opt_param_scheduler)
         return result
 
+    native_finalize = training.maybe_finalize_async_save
+
+    def maybe_finalize_async_save(*args, **kwargs):
+        # train() and pretrain() end with a blocking call: every save committed (or its error
+        # raised) when they return, as Megatron's own asynchronous saves are
+        native_finalize(*args, **kwargs)
+        if kwargs.get("blocking", args[0] if args else False) and ours():
+            cp.checkpointer().wait()
+
     native_base = checkpointing._load_base_checkpoint
 
     def _load_base_checkpoint(load_dir, args, rank0=False, *rest, **kwargs):
@@ -423,4 +433,4 @@ def install() -> None:
     for module in (checkpointing, training):  # training imported them by name
         module.save_checkpoint, module.load_checkpoint = save_checkpoint, load_checkpoint
     checkpointing._load_base_checkpoint = _load_base_checkpoint
-    training.train_step = train_step
+    training.train_step, training.maybe_finalize_async_save = train_step, maybe_finalize_async_save

@@ -229,6 +229,15 @@ def overlapped_save_worker(rank, world, root):
         t for s in fresh_opt.chained_optimizers[0].optimizer.state.values() for t in s.values()]
     assert len(loaded) == len(saved) and all(torch.equal(a, b) for a, b in zip(saved, loaded))
 
+    # train() ends with Megatron's blocking finalize: the save pending then is committed when it returns
+    with snapshots_held() as go:
+        training.save_checkpoint(3, [fresh], fresh_opt, fresh_sched, 0.0)
+        threading.Timer(0.3, go.set).start()
+        training.maybe_finalize_async_save(blocking=True, terminate=True)
+        assert cp.checkpointer()._last.done()
+        with open(os.path.join(root, bcp.TRACKER)) as f:
+            assert f.read() == "3"
+
     # --ckpt-compress auto: compressed only where that shortens the commit, which loads as any save;
     # --no-ckpt-overlap: the asynchronous save returns once its snapshot is taken
     args = megatron_args(1, 1, os.path.join(root, "auto"), "--ckpt-backend", "bytecheckpoint", "--ckpt-compress", "auto",
