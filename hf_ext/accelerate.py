@@ -14,7 +14,8 @@ is kept: every prepared model, optimizer and LR scheduler (the first of each und
 `model`/`optim`/`sched`, further ones `model_1`, ...), the objects registered with
 `register_for_checkpointing` (`custom_<i>`), stateful data loaders' positions (`dataloader_<i>`,
 per process), the grad scaler, the accelerator's step counter and this process's RNG states. A
-folder is overwritten as accelerate overwrites it. What differs is deliberate: the files
+folder is overwritten as accelerate overwrites it. `end_training()` first waits for a save still
+committing (`async_save`), which needs the process group it destroys, and raises its error. What differs is deliberate: the files
 (`metadata.json` and `data/` instead of `model.safetensors`, `optimizer.bin`, `scheduler.bin`,
 `random_states_<i>.pkl`, `custom_checkpoint_<i>.pkl`), and a checkpoint loads on any number of
 processes and in every other framework extension. A folder without ckpt_plugins metadata is loaded
@@ -253,6 +254,14 @@ def enable(accelerator, *, async_save: bool = False, verify: bool = False, host_
         models = _handled_models(accelerator, accelerator._load_model_state_pre_hook, path, load=True)
         load_state(accelerator, path, models=models, verify=verify)
 
-    accelerator.save_state, accelerator.load_state = save, load
+    native_end = accelerator.end_training
+
+    def end_training():
+        try:  # a save still committing needs the process group that accelerate's end destroys
+            cp.checkpointer().wait()
+        finally:
+            native_end()
+
+    accelerator.save_state, accelerator.load_state, accelerator.end_training = save, load, end_training
     accelerator._ckpt_plugins = True
     return accelerator

@@ -5,6 +5,7 @@ interrupted after a save and resumed with `load_state()` continues the uninterru
 bit."""
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -94,6 +95,31 @@ def test_accelerate_save_state_with_the_plugin_keeps_accelerates_folders_hooks_a
     assert resumed["dirs"] == ours["dirs"] and resumed["step"] == ours["step"]
     assert all(torch.equal(resumed["weights"][k], v) for k, v in ours["weights"].items())
     assert all(torch.equal(resumed["moments"][k][n], t) for k, s in ours["moments"].items() for n, t in s.items())
+
+
+def async_save_then_end_training(rank, world, path):
+    from accelerate import Accelerator
+
+    import ckpt_plugins as cp
+    import hf_ext.accelerate
+    from ckpt_plugins._src.storage.local import LocalStorage
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(tiny_llama(0))
+    hf_ext.accelerate.enable(accelerator, async_save=True)
+    native = LocalStorage.open_writer
+    LocalStorage.open_writer = lambda self, name: (time.sleep(0.3), native(self, name))[1]  # still writing at the end
+    accelerator.save_state(path)
+    handle = cp.checkpointer()._last
+    accelerator.end_training()  # what accelerate asks every script to end with: it destroys the process group
+    assert handle.done()
+
+
+def test_end_training_right_after_an_asynchronous_save_state_leaves_it_committed(tmp_path):
+    import ckpt_plugins as cp
+    run_env_ranks(2, async_save_then_end_training, str(tmp_path / "ckpt"))
+    model = tiny_llama(5)
+    cp.load(tmp_path / "ckpt", {"model": model}, strict=False)
+    assert all(torch.equal(v, tiny_llama(0).state_dict()[k]) for k, v in model.state_dict().items())
 
 
 def test_a_save_without_hooks_gathers_no_state_dict(tmp_path, monkeypatch):
