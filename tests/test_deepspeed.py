@@ -165,6 +165,17 @@ def overlapped_saves_hold_the_step(rank, world, root):
     fresh = ds_util.engine(3, True, seed=1, extra=accumulate)
     fresh.load_checkpoint(os.path.join(root, "overlap"))
     ds_util.assert_same_training_state(ref, ds_util.full_state(fresh))
+    # engine.destroy() right after a save: committed first, as DeepSpeed's own decoupled checkpoint
+    # engine commits at destroy, and before the optimizer's teardown under the snapshot
+    with snapshots_held() as go:
+        fresh.save_checkpoint(os.path.join(root, "destroyed"))
+        handle = cp.checkpointer()._last
+        threading.Timer(0.3, go.set).start()
+        fresh.destroy()
+        assert handle.done()
+    again = ds_util.engine(3, True, seed=2, extra=accumulate)
+    again.load_checkpoint(os.path.join(root, "destroyed"))
+    ds_util.assert_same_training_state(ref, ds_util.full_state(again))
     bad = {**accumulate, "checkpoint": {**accumulate["checkpoint"], "compress": "fast"}}
     with pytest.raises(ValueError, match=r"compress must be True, False or 'auto', not 'fast'"):
         ds_util.engine(3, True, extra=bad)
