@@ -13,7 +13,8 @@ else in the package is private and may change without notice.
   writing (importers, exporters), data positions, the memory tier, and the agreement a step every
   rank runs after a commit goes through (`Coordinator.agreed`).
 - Saves beside training: `StepGate` makes the optimizer step wait for an overlapped save's snapshot;
-  `overlapped` is the hooks' rule for when a save overlaps.
+  `overlapped` is the hooks' rule for when a save overlaps; `committed_first` makes a framework's
+  end of training wait for the last save's commit.
 - Checkpoints in other formats, read in place: `ForeignMetadata` (what a reader presents),
   `ForeignReader` and `register_reader` (another format), the safetensors and DCP readers' parts.
 - Optional dependencies: `require(module, what)`, whose `MissingDependency` names the install, and
@@ -47,7 +48,7 @@ from ._src.options import SaveHooks
 from ._src.plan import TensorSpec, choose_source
 from ._src.progress import progress_bar
 from ._src.results import take_finished
-from ._src.step_gate import StepGate, overlapped
+from ._src.step_gate import StepGate, committed_first, overlapped
 from ._src.state import (DictHandler, Handler, Ignore, LoadItems, OptimizerHandler, ParamLayout,
                     PerRank, SaveItems, add_master_sources, canonical_name, flat_layout, frozen_keys,
                     plain_layout, register_handler, saved_groups)
@@ -71,7 +72,8 @@ __all__ = [
     "choose_source", "Storage", "LocalStorage", "AlignedStream", "storage_for", "register_scheme", "LazyFragment",
     "open_checkpoint", "read_tensor", "write_checkpoint", "BASE", "reference", "resolve", "StandIn",
     "load_pickle_restricted", "load_torch_inert", "Order", "epoch_order", "load_position", "position_items",
-    "MemoryTier", "Coordinator", "SaveHooks", "StepGate", "overlapped", "take_finished", "progress_bar", "bcp",
+    "MemoryTier", "Coordinator", "SaveHooks", "StepGate", "overlapped", "committed_first", "take_finished",
+    "progress_bar", "bcp",
     # foreign checkpoints
     "ForeignMetadata", "ForeignReader", "register_reader", "fit_state", "HF", "DCP",
     "FOREIGN_CHUNK", "tensor_meta", "view_boxes", "raw_box", "computed", "Transform", "TensorLocation", "read_archive",

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
 from ckpt_plugins.ext import (DATA_DIR, FORMAT_NAME, Handler, LoadItems, LocalStorage, SaveHooks, SaveItems, StepGate,
-                              fit_state, overlapped, read_pointer, storage_for, take_finished)
+                              committed_first, fit_state, overlapped, read_pointer, storage_for, take_finished)
 
 from . import zero_to_fp32
 from .native import NAME as NATIVE
@@ -86,7 +86,7 @@ class Hooks:
         self.async_save = self.overlap or asynchronous
         self.verify = bool(options.get("verify", False))
         self.gate = StepGate()  # an overlapped save's snapshot runs until the optimizer's next step
-        self.native_load, self.native_step, self.native_destroy = engine.load_checkpoint, engine.step, engine.destroy
+        self.native_load, self.native_step = engine.load_checkpoint, engine.step
         self.checkpointer = cp.checkpointer()
         if options.get("host_memory") is not None:
             self.checkpointer.host_memory = options["host_memory"]
@@ -153,15 +153,6 @@ class Hooks:
                 self.engine.monitor.write_events([(name, value, self.engine.global_samples)
                                                   for name, value in info.metrics().items()])
 
-    def destroy(self) -> None:
-        """DeepSpeed's, once the last save has committed (raising its error): DeepSpeed's own
-        decoupled checkpoint engine commits at destroy, and the optimizer's teardown must not run
-        under a snapshot."""
-        try:
-            self.checkpointer.wait()
-        finally:
-            self.native_destroy()
-
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         engine = self.engine
@@ -221,6 +212,9 @@ def enable(engine, options: Optional[Dict[str, Any]] = None):
     hooks = Hooks(engine, options or {})
     engine.save_checkpoint = hooks.save_checkpoint
     engine.load_checkpoint = hooks.load_checkpoint
-    engine.step, engine.destroy = hooks.step, hooks.destroy
+    engine.step = hooks.step
+    # DeepSpeed's own decoupled checkpoint engine commits at destroy; and the optimizer's teardown
+    # must not run under a snapshot
+    engine.destroy = committed_first(engine.destroy, hooks.checkpointer)
     engine._ckpt_plugins = hooks
     return engine

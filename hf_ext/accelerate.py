@@ -34,7 +34,7 @@ import shutil
 from typing import Any, Dict, List, Optional, Union
 
 import ckpt_plugins as cp
-from ckpt_plugins.ext import DCP, FORMAT_NAME, fit_state, require_version, take_finished
+from ckpt_plugins.ext import DCP, FORMAT_NAME, committed_first, fit_state, require_version, take_finished
 
 from .safetensors_io import HF_CONFIG
 
@@ -254,14 +254,8 @@ def enable(accelerator, *, async_save: bool = False, verify: bool = False, host_
         models = _handled_models(accelerator, accelerator._load_model_state_pre_hook, path, load=True)
         load_state(accelerator, path, models=models, verify=verify)
 
-    native_end = accelerator.end_training
-
-    def end_training():
-        try:  # a save still committing needs the process group that accelerate's end destroys
-            cp.checkpointer().wait()
-        finally:
-            native_end()
-
-    accelerator.save_state, accelerator.load_state, accelerator.end_training = save, load, end_training
+    # a save still committing needs the process group that accelerate's end destroys
+    accelerator.save_state, accelerator.load_state = save, load
+    accelerator.end_training = committed_first(accelerator.end_training)
     accelerator._ckpt_plugins = True
     return accelerator

@@ -36,7 +36,8 @@ from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
 from ckpt_plugins.ext import (FAMILIES, FORMAT_NAME, HF_CONFIG, Handler, LoadItems, SaveHooks, SaveItems, StepGate,
-                              overlapped, read_pointer, require_version, storage_for, stored_entries, take_finished)
+                              committed_first, overlapped, read_pointer, require_version, storage_for, stored_entries,
+                              take_finished)
 
 from .family import OWN_NAMES
 from .gpt import MegatronModel, MegatronOptimizer, hf_config_json
@@ -411,13 +412,13 @@ def install() -> None:
         return result
 
     native_finalize = training.maybe_finalize_async_save
+    finalize_committed = committed_first(native_finalize)
 
     def maybe_finalize_async_save(*args, **kwargs):
         # train() and pretrain() end with a blocking call: every save committed (or its error
         # raised) when they return, as Megatron's own asynchronous saves are
-        native_finalize(*args, **kwargs)
-        if kwargs.get("blocking", args[0] if args else False) and ours():
-            cp.checkpointer().wait()
+        blocking = kwargs.get("blocking", args[0] if args else False)
+        return (finalize_committed if blocking and ours() else native_finalize)(*args, **kwargs)
 
     native_base = checkpointing._load_base_checkpoint
 

@@ -8,7 +8,7 @@ mutation, whatever the framework's loop looks like (gradient accumulation steps 
 only at a boundary)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from .results import SaveHandle
 
@@ -17,6 +17,21 @@ def overlapped(asynchronous: bool, overlap: Optional[bool]) -> bool:
     """Whether a hook's save overlaps the next forward and backward: as `overlap` says (True
     implies an asynchronous save), else whenever the save is asynchronous (every hook's default)."""
     return asynchronous if overlap is None else bool(overlap)
+
+
+def committed_first(native: Callable, checkpointer=None) -> Callable:
+    """`native` (a framework's end of training: one that promises every save is done, or destroys
+    the process group a commit needs), called once the last save of `checkpointer` (None: the
+    process group's default, looked up at the call) has committed; that save's error is raised
+    after `native` ran."""
+    def call(*args, **kwargs):
+        from .api import checkpointer as default  # the api builds on this module
+        try:
+            (checkpointer or default()).wait()
+        finally:
+            result = native(*args, **kwargs)
+        return result
+    return call
 
 
 class StepGate:
