@@ -24,19 +24,26 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dyn
            "transformers.trainer"]
 
 
+def _start_method() -> str:
+    # CUDA cannot be used in a process forked from one whose imports may have touched it: with a
+    # GPU, ranks are spawned
+    import torch
+    return "spawn" if torch.cuda.is_available() else "forkserver"
+
+
 def rank_context():
     """The multiprocessing context every test rank starts from (forked from the preloaded server)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts, on first use
+    ctx = mp.get_context(_start_method())
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts, on first use
     return ctx
 
 
 def _start(worker, world_size: int, *args) -> None:
     """Start `worker(rank, world_size, port, env, *args)` on each rank and wait; any rank's exception
     fails the caller. `env` is the caller's environment now, which a forked rank would not see."""
-    rank_context()
     mp.start_processes(worker, args=(world_size, free_port(), dict(os.environ)) + args, nprocs=world_size,
-                       join=True, start_method="forkserver")
+                       join=True, start_method=rank_context().get_start_method())
 
 
 def _as_spawned(env: dict) -> None:
