@@ -9,18 +9,18 @@
 With `enable`, `Accelerator.save_state` and `load_state` keep accelerate's semantics: the folder
 (`output_dir`, or `project_dir/checkpoints/checkpoint_<iteration>` with automatic naming, an
 existing one refused there, `total_limit` rotation, the iteration counter), the save and load
-pre-hooks (a model a hook saves or loads itself, popping it from the lists, is left to it), what
-is kept: every prepared model, optimizer and LR scheduler (the first of each under
+pre-hooks (a model a hook saves or loads itself, popping it from the lists, is left to it), what is
+kept: every prepared model, optimizer and LR scheduler (the first of each under
 `model`/`optim`/`sched`, further ones `model_1`, ...), the objects registered with
-`register_for_checkpointing` (`custom_<i>`), stateful data loaders' positions (`dataloader_<i>`,
-per process), the grad scaler, the accelerator's step counter and this process's RNG states. A
-folder is overwritten as accelerate overwrites it. `end_training()` first waits for a save still
-committing (`async_save`), which needs the process group it destroys, and raises its error. What differs is deliberate: the files
-(`metadata.json` and `data/` instead of `model.safetensors`, `optimizer.bin`, `scheduler.bin`,
-`random_states_<i>.pkl`, `custom_checkpoint_<i>.pkl`), and a checkpoint loads on any number of
-processes and in every other framework extension. A folder without ckpt_plugins metadata is loaded
-by accelerate's own code, and DeepSpeed runs keep accelerate's path (their engine checkpoints
-through `deepspeed_ext` when its config says so).
+`register_for_checkpointing` (`custom_<i>`), stateful data loaders' positions (`dataloader_<i>`, per
+process), the grad scaler, the accelerator's step counter and this process's RNG states. A folder is
+overwritten as accelerate overwrites it. `end_training()` first waits for a save still committing
+(`async_save`), which needs the process group it destroys, and raises its error. What differs is
+deliberate: the files (`metadata.json` and `data/` instead of `model.safetensors`, `optimizer.bin`,
+`scheduler.bin`, `random_states_<i>.pkl`, `custom_checkpoint_<i>.pkl`), and a checkpoint loads on
+any number of processes and in every other framework extension. A folder without ckpt_plugins
+metadata is loaded by accelerate's own code, and DeepSpeed runs keep accelerate's path (their engine
+checkpoints through `deepspeed_ext` when its config says so).
 
 The module-level `save_state(accelerator, path)` / `load_state(accelerator, path)` do the same
 for one explicit path, with `extra` entries (a `cp.DataState`, say), and `save_state_async`.
@@ -254,8 +254,8 @@ def enable(accelerator, *, async_save: bool = False, verify: bool = False, host_
         models = _handled_models(accelerator, accelerator._load_model_state_pre_hook, path, load=True)
         load_state(accelerator, path, models=models, verify=verify)
 
-    # a save still committing needs the process group that accelerate's end destroys
     accelerator.save_state, accelerator.load_state = save, load
+    # a save still committing needs the process group that accelerate's end destroys
     accelerator.end_training = committed_first(accelerator.end_training)
     accelerator._ckpt_plugins = True
     return accelerator

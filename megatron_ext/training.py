@@ -9,22 +9,23 @@ Enable it in your `pretrain_gpt.py` with two lines (the flag then switches it pe
 
 `install()` rebinds the two functions in `megatron.training.checkpointing` and in the modules that
 imported them by name (`training`), and `training.maybe_finalize_async_save`, which `train()` and
-`pretrain()` call blocking as they end: it also waits for ckpt_plugins' pending save. Without the flag (`--ckpt-backend native`,
-the default) they call Megatron's own. Kept: `--save`/`--load`, `iter_NNNNNNN` directories,
-`latest_checkpointed_iteration.txt` (written by rank 0 once the checkpoint has committed), `--ckpt-step`,
-`--finetune`, `--no-save-optim`/`--no-load-optim`, `--no-save-rng`/`--no-load-rng`, `--use-checkpoint-args`
-(the model arguments come from the checkpoint, through Megatron's own rules), `--async-save`
-(an overlapped ckpt_plugins save: it returns at once, the snapshot running beside the next forward
-and backward until the optimizer step; `--no-ckpt-overlap`: it returns once the snapshot is taken,
-as Megatron's own; `--ckpt-host-memory 8GiB`: staging within that budget, a bigger save streaming
-through it; `--ckpt-compress`: tensors stored losslessly compressed
-where that shrinks them; `--ckpt-compress auto`: only where that also shortens the commit), `--non-persistent-save-interval` (saves to the memory tier,
-replicated to another host; a restart with `--load` = `--save` takes the newest of memory and the
-tracker's iteration, agreed by every rank), the iteration, FLOPs so far, consumed samples, the LR scheduler
-and RNG states (Python, NumPy, torch and Megatron's TP RNG tracker, per rank). `--load` may also name
-a ckpt_plugins checkpoint itself (one written by another framework): its weights (and optimizer
-state, when it has Megatron-compatible entries) load at iteration 0 unless it records one.
-A native Megatron checkpoint in `--load` is loaded by Megatron's own code.
+`pretrain()` call blocking as they end: it also waits for ckpt_plugins' pending save. Without the
+flag (`--ckpt-backend native`, the default) they call Megatron's own. Kept: `--save`/`--load`,
+`iter_NNNNNNN` directories, `latest_checkpointed_iteration.txt` (written by rank 0 once the
+checkpoint has committed), `--ckpt-step`, `--finetune`, `--no-save-optim`/`--no-load-optim`,
+`--no-save-rng`/`--no-load-rng`, `--use-checkpoint-args` (the model arguments come from the
+checkpoint, through Megatron's own rules), `--async-save` (an overlapped ckpt_plugins save: it
+returns at once, the snapshot running beside the next forward and backward until the optimizer step;
+`--no-ckpt-overlap`: it returns once the snapshot is taken, as Megatron's own; `--ckpt-host-memory
+8GiB`: staging within that budget, a bigger save streaming through it; `--ckpt-compress`: tensors
+stored losslessly compressed where that shrinks them; `--ckpt-compress auto`: only where that also
+shortens the commit), `--non-persistent-save-interval` (saves to the memory tier, replicated to
+another host; a restart with `--load` = `--save` takes the newest of memory and the tracker's
+iteration, agreed by every rank), the iteration, FLOPs so far, consumed samples, the LR scheduler
+and RNG states (Python, NumPy, torch and Megatron's TP RNG tracker, per rank). `--load` may also
+name a ckpt_plugins checkpoint itself (one written by another framework): its weights (and optimizer
+state, when it has Megatron-compatible entries) load at iteration 0 unless it records one. A native
+Megatron checkpoint in `--load` is loaded by Megatron's own code.
 """
 from __future__ import annotations
 
