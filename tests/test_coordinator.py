@@ -42,6 +42,22 @@ def _collectives(rank, world):
     with pytest.raises(CheckpointError, match="load of x failed: rank 1: ValueError: no plan on this rank. Nothing"):
         coord.agreed_bytes(request, what="load of x", then="Nothing was loaded")
 
+    # a step that runs a collective of its own (ZeRO-3's gather at a load's end) is not started by
+    # any rank once one has failed: the others would wait in it for the failed rank
+    ran = []
+
+    def data():
+        if rank == 2:
+            raise ValueError("a checksum mismatch")
+
+    def gather():
+        ran.append(coord.all_flags(rank))
+    with pytest.raises(CheckpointError, match="load of x failed: rank 2: ValueError: a checksum mismatch"):
+        coord.agreed_steps([data, gather], what="load of x")
+    assert ran == []
+    coord.agreed_steps([data if rank != 2 else lambda: None, gather], what="load of x")
+    assert ran == [[0, 1, 2]]
+
 
 def test_collectives_carry_messages_of_any_length_and_a_failure_reaches_every_rank():
     run_ranks(3, _collectives)

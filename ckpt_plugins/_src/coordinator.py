@@ -177,6 +177,19 @@ class Coordinator:
         failure, payload = self._outcome(fn)
         return self.agree(failure, payload, what=what, then=then, default=default)
 
+    def agreed_steps(self, steps: Sequence[Callable[[], Any]], *, what: str, then: str = "",
+                     default=CheckpointError) -> None:
+        """`agreed` for steps run in order, where a step may run collectives of its own (a load's
+        last step, ZeRO-3's gather of its parameters): before each step after the first, one small
+        collective tells every rank whether any has failed, and then none goes on, so no rank
+        waits in a collective that a failed rank never joins."""
+        failure = None
+        for i, step in enumerate(steps):
+            if i and any(self.all_flags(int(failure is not None))):
+                break
+            failure, _ = self._outcome(step)
+        self.agree(failure, what=what, then=then, default=default)
+
     def agreed_bytes(self, fn: Callable[[], bytes], *, what: str, then: str = "",
                      default=CheckpointError) -> bytearray:
         """`agreed` for a message of plain bytes: every rank's `fn()` in one buffer, not pickled

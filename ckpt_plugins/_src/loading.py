@@ -3,7 +3,9 @@
 Two agreements carry every rank's failure: after the metadata, the handlers and the load plan
 (nothing has been touched yet), and after the data, the objects and the handlers' finish steps.
 Between them each rank keeps every promise of the read-once exchange even when its own part
-failed, so every rank reaches the second agreement and raises the same error.
+failed, so every rank reaches the second agreement and raises the same error; and no rank starts
+the handlers' finish steps, which may run the framework's collectives, once any rank has failed
+(`Coordinator.agreed_steps`).
 """
 from __future__ import annotations
 
@@ -152,7 +154,7 @@ class Load:
             recorder.record.info["checkpoint_bytes"] = metadata.total_bytes
             result.telemetry = recorder.finish()
 
-        def run():
+        def data():
             result.read_bytes = self._read(plan, metadata, self.requests.hosts)
             if isinstance(metadata, ForeignMetadata):
                 result.unverified_bytes = result.read_bytes
@@ -166,6 +168,8 @@ class Load:
                     missing = set(plan.missing)
                     self.loaded = filled([f for f in self.targets if f.key not in missing and not f.recomputed],
                                          metadata)
+
+        def handlers():  # may run the framework's collectives: only once every rank's data is in
             with recorder.phase("finish"):
                 for finish in self.items.finish[self.transforms:]:
                     finish()
@@ -179,7 +183,7 @@ class Load:
             finished()
 
         touched = self._touched(plan)
-        coord.agreed(run, what=self.what, then=f"On rank {coord.rank}, " + (
+        coord.agreed_steps([data, handlers], what=self.what, then=f"On rank {coord.rank}, " + (
             f"these tensors may hold partly loaded data: {_shown(touched)}" if touched else "no tensor was written"))
         if self.verify:
             coord.agreed(compare, what=f"verification of the {self.what}",
