@@ -396,6 +396,59 @@ def test_every_bit_of_optimizer_state_survives_a_deepspeed_round_trip(tmp_path):
     run_env_ranks(2, special_values, str(tmp_path))
 
 
+def bitsandbytes_partitions(rank, world, root):
+    """bitsandbytes' 8-bit AdamW under ZeRO-1, 2 and 3 keeps, beside moments shaped like each
+    rank's flat partition, an absmax per 256-element block of it: that comes back to the same
+    partition bit for bit, and training goes on as if never stopped. Three processes (other
+    partitions) are refused on every rank, naming the state, where a load once gave a rank another
+    rank's blocks."""
+    import bitsandbytes as bnb
+    import torch.nn.functional as F
+
+    import deepspeed_ext
+    ds_util.cpu_friendly_deepspeed()
+
+    def engine(stage):
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+                  "zero_allow_untested_optimizer": True, "checkpoint": {"backend": "bytecheckpoint"}}
+        opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=0)
+        return deepspeed_ext.initialize(model=model, optimizer=opt, config=config)[0]
+
+    def train(eng, steps):
+        for i in steps:
+            x = torch.randn(2, 64, generator=torch.Generator().manual_seed(10 * i + rank)).to(torch.bfloat16)
+            eng.backward(F.cross_entropy(eng(x).float(), torch.tensor([i % 8, (i + 1) % 8])))
+            eng.step()
+        return [p.detach().clone() for p in eng.module.parameters()]
+
+    for stage in (1, 2, 3):
+        path = os.path.join(root, f"z{stage}")
+        if world == 3:
+            with pytest.raises(cp.LoadMismatchError, match="absmax1 is optimizer state of one rank's partition"):
+                engine(stage).load_checkpoint(path)
+            continue
+        eng = engine(stage)
+        train(eng, range(3))
+        eng.save_checkpoint(path)
+        saved = [t.clone() for t in _flat_states(eng)]
+        assert any(t.dtype == torch.uint8 for t in saved) and len(saved) > 4
+        after = train(eng, range(3, 5))
+        fresh = engine(stage)
+        fresh.load_checkpoint(path)
+        loaded = _flat_states(fresh)
+        assert len(loaded) == len(saved)
+        for a, b in zip(saved, loaded):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (stage, rank, a, b)
+        assert all(torch.equal(a, b) for a, b in zip(after, train(fresh, range(3, 5)))), stage
+
+
+def test_bitsandbytes_8bit_state_of_a_zero_partition_returns_to_that_partition(tmp_path):
+    run_env_ranks(2, bitsandbytes_partitions, str(tmp_path))
+    run_env_ranks(3, bitsandbytes_partitions, str(tmp_path))
+
+
 def contract(rank, world, root, result_path):
     """What a DeepSpeed user sees around `save_checkpoint`/`load_checkpoint`, natively and with
     the plugin, per ZeRO stage (bf16): return values, the `latest` file, client_state, counters,

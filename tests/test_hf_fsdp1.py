@@ -119,3 +119,28 @@ def test_fsdp1_loads_a_single_process_checkpoint(tmp_path):
     ref = full_state(model, opt)
     torch.save({"state": ref, "loss": train_step(model, opt, 2)}, tmp_path / "ref.pt")
     run_ranks(2, load_worker, tmp_path / "c", tmp_path / "ref.pt", "fsdp1", True, False, False, None)
+
+
+def bitsandbytes_worker(rank, world, root):
+    import bitsandbytes as bnb
+    for orig in (False, True):
+        model = fsdp1(tiny_llama(0), use_orig_params=orig, mixed=False)
+        opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=0)
+        for step in range(2):
+            train_step(model, opt, step)
+        cp.save(root / str(orig), {"model": model, "optim": opt})
+        saved = [t.clone() for s in opt.state.values() for _, t in sorted(s.items()) if torch.is_tensor(t) and t.dim()]
+        loss = train_step(model, opt, 2)
+        model = fsdp1(tiny_llama(1), use_orig_params=orig, mixed=False)
+        opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=0)
+        cp.load(root / str(orig), {"model": model, "optim": opt})
+        loaded = [t for s in opt.state.values() for _, t in sorted(s.items()) if torch.is_tensor(t) and t.dim()]
+        assert len(loaded) == len(saved) and all(torch.equal(a, b) for a, b in zip(saved, loaded)), orig
+        assert train_step(model, opt, 2) == loss, orig
+
+
+def test_bitsandbytes_8bit_state_of_flat_shards_returns_to_its_shard(tmp_path):
+    """bitsandbytes' 8-bit AdamW over FSDP1's flat shards (both parameter modes) keeps an absmax per
+    256-element block of each rank's shard: it comes back to that shard bit for bit and training
+    goes on exactly (it once came back as another rank's)."""
+    run_ranks(2, bitsandbytes_worker, tmp_path)

@@ -287,6 +287,11 @@ class ParamLayout:
     # zeroes the parts of such a tensor that hold no parameter data (a partition's padding), which
     # state a load creates must not leave uninitialized; None: every element holds some
     pad: Optional[Callable[[torch.Tensor], None]] = None
+    # where the tensor is a partition of its parameters (a flat buffer): which elements of which
+    # parameter lie where in it, as (name, offset, numel, start). State of another shape is
+    # then the partition's own (bitsandbytes' blockwise absmax), saved per rank with it and loaded
+    # only into the same partition (`OptimizerHandler`). None: the parameters whole, or a DTensor.
+    partition: Optional[Tuple[Tuple[Any, ...], ...]] = None
 
 
 def _stored(tmap: TensorMap, names: Sequence[str], shapes: Sequence[Sequence[int]]):
@@ -300,7 +305,8 @@ def flat_layout(names: Sequence[str], shapes: Sequence[Sequence[int]], pieces: L
     parameter's shard or one parameter's 1-D piece of it), stored as `tmap` says."""
     covered = tuple(sorted((p.offset, p.offset + p.numel) for p in pieces))
     return ParamLayout(*_stored(tmap, names, shapes), lambda t, key_of: tmap.piece_fragments(pieces, t.reshape(-1), key_of),
-                       pad=lambda t: _zero_gaps(t.reshape(-1), covered))
+                       pad=lambda t: _zero_gaps(t.reshape(-1), covered),
+                       partition=tuple((p.name, p.offset, p.numel, p.start) for p in pieces))
 
 
 def plain_layout(name: str, param: torch.Tensor, tmap: TensorMap = IDENTITY) -> ParamLayout:
@@ -359,6 +365,8 @@ class OptimizerHandler(Handler):
                 key_of = lambda n, s=sname: f"{prefix}/{n}/{s}"  # noqa: E731
                 if _param_shaped(value, p):
                     items.fragments += layout.fragments(value, key_of)
+                elif isinstance(value, torch.Tensor) and value.dim() and layout.partition is not None:
+                    items.per_rank[key_of(layout.names[0])] = {"partition": _listed(layout.partition), "value": value}
                 elif isinstance(value, torch.Tensor):
                     for name in layout.names:
                         items.fragments += tensor_fragments(key_of(name), value)
@@ -426,6 +434,9 @@ class OptimizerHandler(Handler):
             key_of = lambda n, s=sname: f"{prefix}/{n}/{s}"  # noqa: E731
             keys = [key_of(n) for n in layout.names]
             tensors = [k for k in keys if k in metadata.tensors]
+            if any(o.rank is not None for k in keys for o in metadata.objects.get(k, ())):
+                _load_partition_state(layout, _local(p).device, state, sname, keys, metadata, items)
+                continue
             if not (tensors or (not any(k in metadata.objects for k in keys)
                                 and isinstance(state.get(sname), torch.Tensor))):
                 first = next((k for k in keys if k in metadata.objects), keys[0])
@@ -460,6 +471,39 @@ class OptimizerHandler(Handler):
                 saved = by_param[next(n for n in names if n in by_param)]
                 group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v)
                               for k, v in saved.items() if k != "params" and k not in self.layout_keys})
+
+
+def _listed(partition) -> list:
+    return [list(piece) for piece in partition]
+
+
+def _load_partition_state(layout: ParamLayout, device: torch.device, state: dict, sname: str, keys: List[str],
+                          metadata: Metadata, items: LoadItems) -> None:
+    """State a rank saved for its partition alone (`ParamLayout.partition`), under the key of the
+    partition's first parameter: back into the same partition only. Another partition (another
+    world size or ZeRO stage) cannot take it, as the framework's own load could not."""
+    key, loaded, created = keys[0], [], sname not in state
+    saved = next(k for k in keys if k in metadata.objects)
+    problem = (f"{saved} is optimizer state of one rank's partition of its parameters (blockwise state such as "
+               "bitsandbytes' 8-bit absmax), which loads only into the same partition")
+    fix = (f"resume with the layout the checkpoint was saved with ({metadata.world_size} ranks), "
+           "or load without the optimizer's state")
+    if key not in metadata.objects:
+        raise LoadMismatchError(f"{problem}: this rank's partition starts at another parameter than any saved one; {fix}")
+
+    def put(value) -> None:
+        if value.get("partition") != _listed(layout.partition):
+            raise LoadMismatchError(f"{problem}: this rank's partition is not the one saved; {fix}")
+        state[sname] = value["value"].to(device)
+        loaded.append(True)
+
+    def check() -> None:
+        if not loaded:
+            raise LoadMismatchError(f"{problem}: no rank of this rank's number saved it; {fix}")
+    items.per_rank[key] = put
+    items.accepted |= set(keys[1:])
+    items.undo.append(lambda: state.pop(sname, None) if created and loaded else None)
+    items.finish.append(check)
 
 
 def saved_groups(groups: List[dict], layout_keys: Sequence[str]) -> List[dict]:
