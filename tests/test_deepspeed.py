@@ -401,7 +401,7 @@ def bitsandbytes_partitions(rank, world, root):
     rank's flat partition, an absmax per 256-element block of it: that comes back to the same
     partition bit for bit, and training goes on as if never stopped. Three processes (other
     partitions) are refused on every rank, naming the state, where a load once gave a rank another
-    rank's blocks."""
+    rank's blocks; so are parameters held whole, and a whole parameter's absmax into a partition."""
     import bitsandbytes as bnb
     import torch.nn.functional as F
 
@@ -423,6 +423,22 @@ def bitsandbytes_partitions(rank, world, root):
             eng.step()
         return [p.detach().clone() for p in eng.module.parameters()]
 
+    def plain():
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        return {"model": model, "optim": bnb.optim.AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=0)}
+
+    if world == 3:  # nor into parameters held whole, nor a whole parameter's absmax into a partition
+        eng = engine(2)  # (DeepSpeed starts the process group)
+        with pytest.raises(cp.LoadMismatchError, match="this job holds its parameters whole"):
+            with open(os.path.join(root, "z2", "latest")) as f:
+                cp.load(os.path.join(root, "z2", f.read().strip()), plain())
+        whole = plain()
+        whole["model"](torch.ones(2, 64)).sum().backward()
+        whole["optim"].step()
+        cp.save(os.path.join(root, "whole", "t"), whole)
+        with pytest.raises(cp.LoadMismatchError, match="absmax1 is optimizer state shaped neither like its parameter"):
+            eng.load_checkpoint(os.path.join(root, "whole"), tag="t")
     for stage in (1, 2, 3):
         path = os.path.join(root, f"z{stage}")
         if world == 3:

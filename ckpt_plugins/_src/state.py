@@ -396,8 +396,12 @@ class OptimizerHandler(Handler):
                 if sname != MASTER:  # master weights are not this optimizer's state (see add_master_sources)
                     stored.setdefault(pname, set()).add(sname)
         group_of = {id(p): g for g, params in self.groups for p in params}
+        partitioned = sorted(k for k, objs in metadata.objects.items()
+                             if k.startswith(prefix + "/") and any(o.rank is not None for o in objs))
         for p in self._params():
             layout = self.layouts[id(p)]
+            if partitioned and layout.partition is None:
+                raise _partition_error(partitioned[0], "this job holds its parameters whole", metadata)
             owner = self.states[id(p)]
             live = owner[p] if p in owner else None  # a defaultdict's [] would add an entry
             snames = set().union(*(stored.get(n, set()) for n in layout.names))
@@ -437,6 +441,13 @@ class OptimizerHandler(Handler):
             if any(o.rank is not None for k in keys for o in metadata.objects.get(k, ())):
                 _load_partition_state(layout, _local(p).device, state, sname, keys, metadata, items)
                 continue
+            if layout.partition is not None and any(metadata.tensors[k].shape and tuple(metadata.tensors[k].shape)
+                                                    not in layout.shapes for k in tensors):
+                raise LoadMismatchError(
+                    f"{tensors[0]} is optimizer state shaped neither like its parameter nor as a scalar (blockwise "
+                    "state such as bitsandbytes' 8-bit absmax), stored as one value for every rank (by a job holding "
+                    "its parameters whole, or by an earlier ckpt_plugins); this rank holds a partition of its "
+                    "parameters, which it cannot be cut for: load without the optimizer's state")
             if not (tensors or (not any(k in metadata.objects for k in keys)
                                 and isinstance(state.get(sname), torch.Tensor))):
                 first = next((k for k in keys if k in metadata.objects), keys[0])
@@ -484,26 +495,29 @@ def _load_partition_state(layout: ParamLayout, device: torch.device, state: dict
     world size or ZeRO stage) cannot take it, as the framework's own load could not."""
     key, loaded, created = keys[0], [], sname not in state
     saved = next(k for k in keys if k in metadata.objects)
-    problem = (f"{saved} is optimizer state of one rank's partition of its parameters (blockwise state such as "
-               "bitsandbytes' 8-bit absmax), which loads only into the same partition")
-    fix = (f"resume with the layout the checkpoint was saved with ({metadata.world_size} ranks), "
-           "or load without the optimizer's state")
     if key not in metadata.objects:
-        raise LoadMismatchError(f"{problem}: this rank's partition starts at another parameter than any saved one; {fix}")
+        raise _partition_error(saved, "this rank's partition starts at another parameter than any saved one", metadata)
 
     def put(value) -> None:
         if value.get("partition") != _listed(layout.partition):
-            raise LoadMismatchError(f"{problem}: this rank's partition is not the one saved; {fix}")
+            raise _partition_error(saved, "this rank's partition is not the one saved", metadata)
         state[sname] = value["value"].to(device)
         loaded.append(True)
 
     def check() -> None:
         if not loaded:
-            raise LoadMismatchError(f"{problem}: no rank of this rank's number saved it; {fix}")
+            raise _partition_error(saved, "no rank of this rank's number saved it", metadata)
     items.per_rank[key] = put
     items.accepted |= set(keys[1:])
     items.undo.append(lambda: state.pop(sname, None) if created and loaded else None)
     items.finish.append(check)
+
+
+def _partition_error(key: str, why: str, metadata: Metadata) -> LoadMismatchError:
+    return LoadMismatchError(
+        f"{key} is optimizer state of one rank's partition of its parameters (blockwise state such as bitsandbytes' "
+        f"8-bit absmax), which loads only into the same partition: {why}; resume with the layout the checkpoint "
+        f"was saved with ({metadata.world_size} ranks), or load without the optimizer's state")
 
 
 def saved_groups(groups: List[dict], layout_keys: Sequence[str]) -> List[dict]:
