@@ -396,12 +396,12 @@ class OptimizerHandler(Handler):
                 if sname != MASTER:  # master weights are not this optimizer's state (see add_master_sources)
                     stored.setdefault(pname, set()).add(sname)
         group_of = {id(p): g for g, params in self.groups for p in params}
-        partitioned = sorted(k for k, objs in metadata.objects.items()
-                             if k.startswith(prefix + "/") and any(o.rank is not None for o in objs))
+        partitioned = {k for k, objs in metadata.objects.items()
+                       if k.startswith(prefix + "/") and any(o.rank is not None for o in objs)}
         for p in self._params():
             layout = self.layouts[id(p)]
             if partitioned and layout.partition is None:
-                raise _partition_error(partitioned[0], "this job holds its parameters whole", metadata)
+                raise _partition_error(min(partitioned), "this job holds its parameters whole", metadata)
             owner = self.states[id(p)]
             live = owner[p] if p in owner else None  # a defaultdict's [] would add an entry
             snames = set().union(*(stored.get(n, set()) for n in layout.names))
@@ -418,7 +418,8 @@ class OptimizerHandler(Handler):
             if live is None:
                 live = owner[p] = {}
                 items.undo.append(lambda p=p, owner=owner: owner.pop(p, None))
-            self._load_param(p, group_of[id(p)], live, sorted(snames), prefix, metadata, items)  # same order on every rank
+            self._load_param(p, group_of[id(p)], live, sorted(snames), prefix, metadata, items,  # same order on every rank
+                             partitioned)
         if unstated:
             had = []  # of those, the ones the checkpoint's optimizer had without state: reset, as torch does
 
@@ -432,13 +433,14 @@ class OptimizerHandler(Handler):
         return items
 
     def _load_param(self, p, group: dict, state: dict, snames: List[str], prefix: str, metadata: Metadata,
-                    items: LoadItems) -> None:
+                    items: LoadItems, partitioned: Set[str]) -> None:
+        """`partitioned`: the keys of state saved per rank with its partition."""
         layout = self.layouts[id(p)]
         for sname in snames:
             key_of = lambda n, s=sname: f"{prefix}/{n}/{s}"  # noqa: E731
             keys = [key_of(n) for n in layout.names]
             tensors = [k for k in keys if k in metadata.tensors]
-            if any(o.rank is not None for k in keys for o in metadata.objects.get(k, ())):
+            if any(k in partitioned for k in keys):
                 _load_partition_state(layout, _local(p).device, state, sname, keys, metadata, items)
                 continue
             if layout.partition is not None and any(metadata.tensors[k].shape and tuple(metadata.tensors[k].shape)
