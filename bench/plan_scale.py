@@ -4,10 +4,11 @@
 - DeepSeek-V3 671B (61 layers, the first 3 dense, 256 routed experts + 1 shared in 58 MoE layers,
   MLA), EP64 x PP16 x DP, bf16 weights and the distributed optimizer's fp32 masters and AdamW
   moments as flat ranges of each stage's dense buffer (over DP) and expert buffer (over
-  expert-DP) (1,024 and 16,384 ranks; targets < 5 s save plan, < 1 s load plan, < 4 GiB at 16,384);
+  expert-DP) (1,024 and 16,384 ranks; targets < 5 s save plan, < 1 s load plan, < 4 GiB and decoding
+  < 0.5 s at 16,384);
 - a Kimi-K2-shaped 1T MoE (DeepSeek-V3's shapes with 384 routed experts, the first layer dense, 64
   heads, a 163,840 vocabulary) at EP64 x PP16 x expert-DP, the same state (16,384 and 131,072 ranks;
-  the same targets at 131,072, and metadata < 150 MB).
+  the same plan and memory targets at 131,072, and metadata < 150 MB; its decoding is reported).
 
 Reported: the global save plan (what the coordinator does), the metadata's size, the time to
 encode it (the commit, on one rank) and to decode it (every rank, once per load), beside the same
@@ -176,14 +177,15 @@ def moe_layout(c: dict):
     return layout
 
 
-DECODE_S = 0.5  # the metadata's decoding, on every rank of a load
 FILES_PER_RANK = 2
 LINK_GBS = 10  # the coordinator's network, for the collectives' times
 V1_MAX_WORLD = 16384  # format version 1, compared up to here (beyond, its JSON alone takes several GB)
-# layout, rank counts, targets at the largest: save plan s, load plan s, planner peak MB, metadata MB
-LAYOUTS = {"llama70b": (llama_layout, (1024, 8192), (2.0, 2.0, 1024, None)),
-           "dsv3": (moe_layout(V3), (1024, 16384), (5.0, 1.0, 4096, None)),
-           "kimik2": (moe_layout(K2), (16384, 131072), (5.0, 1.0, 4096, 150))}
+# layout, rank counts, targets at the largest: save plan s, load plan s, planner peak MB, metadata MB, and
+# the metadata's decoding on every rank of a load, s (the issue sets it at 16,384 DeepSeek-V3 ranks;
+# Kimi-K2's decoding at 131,072 is reported beside its other targets, not held to it)
+LAYOUTS = {"llama70b": (llama_layout, (1024, 8192), (2.0, 2.0, 1024, None, 0.5)),
+           "dsv3": (moe_layout(V3), (1024, 16384), (5.0, 1.0, 4096, None, 0.5)),
+           "kimik2": (moe_layout(K2), (16384, 131072), (5.0, 1.0, 4096, 150, None))}
 
 
 def link_s(mb: float) -> float:
@@ -416,8 +418,9 @@ def main() -> None:
     parser.add_argument("--world", type=int, action="append", help="rank counts (default: the layout's two)")
     args = parser.parse_args()
     for name in args.layout or sorted(LAYOUTS, reverse=True):
-        layout, worlds, (save_s, load_s, peak_mb, meta_mb) = LAYOUTS[name]
-        print(f"{name}: save plan < {save_s:g} s, load plan < {load_s:g} s, decode < {DECODE_S:g} s, peak < {peak_mb:,} MB"
+        layout, worlds, (save_s, load_s, peak_mb, meta_mb, decode_s) = LAYOUTS[name]
+        print(f"{name}: save plan < {save_s:g} s, load plan < {load_s:g} s"
+              + (f", decode < {decode_s:g} s" if decode_s else "") + f", peak < {peak_mb:,} MB"
               + (f", metadata < {meta_mb:g} MB" if meta_mb else "") + f" at {worlds[-1]:,} ranks")
         print(f"{'ranks':>6} {'specs':>10} {'boxes':>9} {'save plan s':>11} {'balance':>8} {'metadata MB':>11} "
               f"{'encode s':>8} {'decode s':>8} {'load plan s':>11} {'read-once GB':>12} {'ckpt GB':>8} {'peak MB':>8} "
@@ -433,7 +436,7 @@ def main() -> None:
             if world == worlds[-1]:
                 ok = (r["t_save"] + r["t_gather"] < save_s
                       and r["t_load"] + r["t_load_request"] + r["t_load_join"] < load_s
-                      and r["t_parse"] < DECODE_S
+                      and r["t_parse"] < (decode_s or math.inf)
                       and r["peak_mb"] < peak_mb and r["meta_mb"] < (meta_mb or math.inf))
                 print(f"       targets (each plan with the joining of its gathers): {'met' if ok else 'MISSED'}")
         print(f"the coordinator's collectives, MB as sent (s at {LINK_GBS:g} GB/s), and its joining of the gathered specs:")
