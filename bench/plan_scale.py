@@ -181,8 +181,8 @@ FILES_PER_RANK = 2
 LINK_GBS = 10  # the coordinator's network, for the collectives' times
 V1_MAX_WORLD = 16384  # format version 1, compared up to here (beyond, its JSON alone takes several GB)
 # layout, rank counts, targets at the largest: save plan s, load plan s, planner peak MB, metadata MB, and
-# the metadata's decoding on every rank of a load, s (the issue sets it at 16,384 DeepSeek-V3 ranks;
-# Kimi-K2's decoding at 131,072 is reported beside its other targets, not held to it)
+# the metadata's decoding on every rank of a load, s (set for DeepSeek-V3 at 16,384 ranks; Kimi-K2's
+# at 131,072 is printed beside its other targets, not held to it)
 LAYOUTS = {"llama70b": (llama_layout, (1024, 8192), (2.0, 2.0, 1024, None, 0.5)),
            "dsv3": (moe_layout(V3), (1024, 16384), (5.0, 1.0, 4096, None, 0.5)),
            "kimik2": (moe_layout(K2), (16384, 131072), (5.0, 1.0, 4096, 150, None))}
