@@ -2,6 +2,7 @@
 import errno
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -293,3 +294,28 @@ def test_a_full_disk_is_the_error_reported_when_the_flush_after_it_fails_too(tmp
                 cp.read_metadata(tmp_path / "full" / path)
     finally:
         shutil.rmtree(memory, ignore_errors=True)
+
+
+def test_a_partitions_optimizer_state_that_is_not_one_is_refused_naming_its_key():
+    """State saved per rank with its flat partition (bitsandbytes' absmax under ZeRO or FSDP1) comes
+    back as a {'partition', 'value'} object: anything else a checkpoint holds there is refused
+    naming the key, and a partition of other pieces, as not the one saved."""
+    from ckpt_plugins._src.fragment import FlatPiece
+    from ckpt_plugins._src.format import Metadata, ObjectMeta
+    from ckpt_plugins._src.state import OptimizerHandler, flat_layout
+    flat = nn.Parameter(torch.zeros(8))
+    opt = torch.optim.Adam([flat])
+    pieces = [FlatPiece("a", (4,), 0, 4, 0), FlatPiece("b", (4,), 4, 4, 0)]
+    layout = flat_layout(("a", "b"), ((4,), (4,)), pieces)
+    at = ObjectMeta(file="data/r0-objects.bin", offset=0, nbytes=1, crc32c=[0], encoding="torch", rank=0)
+    metadata = Metadata(tensors={}, objects={"optim/a/absmax1": [at], "optim/param_groups": [replace(at, rank=None)]},
+                        files={"data/r0-objects.bin": 1}, world_size=2)
+    put = OptimizerHandler(opt, {id(flat): layout}).load_items("optim", metadata).per_rank["optim/a/absmax1"]
+    for bad in ([1, 2], {"partition": [list(p) for p in layout.partition], "value": [0.5]}):
+        with pytest.raises(cp.LoadMismatchError, match="optim/a/absmax1 holds .*, not a partition's state"):
+            put(bad)
+    with pytest.raises(cp.LoadMismatchError, match="optim/a/absmax1 is optimizer state of one rank's partition.*"
+                                                   "this rank's partition is not the one saved"):
+        put({"partition": [["a", 0, 8, 0]], "value": torch.ones(1)})
+    put({"partition": [list(p) for p in layout.partition], "value": torch.ones(1)})
+    assert torch.equal(opt.state[flat]["absmax1"], torch.ones(1))

@@ -443,8 +443,8 @@ class OptimizerHandler(Handler):
             if any(k in partitioned for k in keys):
                 _load_partition_state(layout, _local(p).device, state, sname, keys, metadata, items)
                 continue
-            if layout.partition is not None and any(metadata.tensors[k].shape and tuple(metadata.tensors[k].shape)
-                                                    not in layout.shapes for k in tensors):
+            shapes = {tuple(metadata.tensors[k].shape) for k in tensors} if layout.partition is not None else set()
+            if shapes - {()} - set(layout.shapes):
                 raise LoadMismatchError(
                     f"{tensors[0]} is optimizer state shaped neither like its parameter nor as a scalar (blockwise "
                     "state such as bitsandbytes' 8-bit absmax), stored as one value for every rank (by a job holding "
@@ -501,6 +501,9 @@ def _load_partition_state(layout: ParamLayout, device: torch.device, state: dict
         raise _partition_error(saved, "this rank's partition starts at another parameter than any saved one", metadata)
 
     def put(value) -> None:
+        if not (isinstance(value, dict) and isinstance(value.get("value"), torch.Tensor)):
+            raise LoadMismatchError(f"{saved} holds {type(value).__name__}, not a partition's state "
+                                    "({'partition': ..., 'value': tensor})")
         if value.get("partition") != _listed(layout.partition):
             raise _partition_error(saved, "this rank's partition is not the one saved", metadata)
         state[sname] = value["value"].to(device)
