@@ -26,6 +26,7 @@ the fixed cost instead: a 0.1M-parameter model, medians of 15 saves and loads (p
 Run: .venv/bin/python bench/native.py                       (both frameworks, about 20 minutes)
      .venv/bin/python bench/native.py --framework deepspeed --params-m 20 --reps 1   (a smoke run)
      .venv/bin/python bench/native.py --tiny
+     .venv/bin/python bench/native.py --tiny --framework deepspeed --world 1   (a single process's fixed cost)
 """
 from __future__ import annotations
 
@@ -466,6 +467,8 @@ def main() -> None:
     parser.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
                         help="Megatron layouts: DP2, TP2")
     parser.add_argument("--tiny", action="store_true", help="the fixed cost: 0.1M parameters, 15 repetitions")
+    parser.add_argument("--world", type=int, default=2,
+                        help="DeepSpeed's processes (1: a single-process job, where no rank exchanges)")
     parser.add_argument("--native-async", action="store_true",
                         help="Megatron's own --async-save too (its persistent worker process); a 200M run "
                              "with it did not finish in 25 minutes here")
@@ -476,7 +479,7 @@ def main() -> None:
     if args.framework in ("deepspeed", "all"):
         root = tempfile.mkdtemp(prefix="bench_native_", dir=args.dir)
         try:
-            report("DeepSpeed", run(ds_worker, args, root))
+            report("DeepSpeed", run(ds_worker, args, root, world=args.world))
         finally:
             shutil.rmtree(root, ignore_errors=True)
     if args.framework in ("megatron", "all"):

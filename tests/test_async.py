@@ -401,16 +401,21 @@ def test_background_commits_do_not_interleave_with_training_collectives(tmp_path
 
 def read_once_worker(rank, world, path, totals_path, ring_bytes):
     from ckpt_plugins._src.engine.ring import Ring
+    if ring_bytes == "1 on rank 0":
+        ring_bytes = 1 if rank == 0 else None
     if ring_bytes is not None:  # each range then waits for the one before it to be retired
         Ring.BYTES = ring_bytes
     rings, init = [], Ring.__init__
     Ring.__init__ = lambda self, sizes, **kw: (init(self, sizes, **kw), rings.append(self.size))[0]
+    threads, start = [], threading.Thread.start
+    threading.Thread.start = lambda self: (threads.append(self.name), start(self))[1]
     model = make(seed=7, depth=DEPTH)
     result = cp.load(path, {"model": model})
+    threading.Thread.start = start
     for k, v in model.state_dict().items():
         assert torch.equal(v, make(depth=DEPTH).state_dict()[k]), k
     totals = [None] * world
-    dist.all_gather_object(totals, (result.read_bytes, rings))
+    dist.all_gather_object(totals, (result.read_bytes, rings, [t for t in threads if t.startswith("ckpt-read")]))
     if rank == 0:
         torch.save(totals, totals_path)
 
@@ -418,17 +423,24 @@ def read_once_worker(rank, world, path, totals_path, ring_bytes):
 DEPTH = 72  # 144 ranges: each reader announces over 32 (`shm.ANNOUNCED`) to each other rank
 
 
-@pytest.mark.parametrize("ring_bytes", [None, 1, 32 << 10])  # one pass; one range per pass; a few per pass
+# one pass; one range per pass; a few per pass; rank 0 one range per pass, the others one pass
+@pytest.mark.parametrize("ring_bytes", [None, 1, 32 << 10, "1 on rank 0"])
 def test_replicated_load_reads_each_byte_once(tmp_path, ring_bytes):
+    """Each rank reads under one piece (`READ_PIECE`): with its ring holding every read, its
+    stages run one after the other on the loading thread, with none started; one that must
+    reuse its ring reads on threads, and ranks of both kinds exchange alike."""
     cp.save(tmp_path / "r", {"model": make(depth=DEPTH)})
     run_ranks(4, read_once_worker, str(tmp_path / "r"), str(tmp_path / "totals"), ring_bytes)
-    totals = [t[0] for t in torch.load(tmp_path / "totals")]
+    ranks = torch.load(tmp_path / "totals")
+    totals = [t[0] for t in ranks]
+    threaded = [bool(t[2]) for t in ranks]
+    assert threaded == {None: [False] * 4, "1 on rank 0": [True] + [False] * 3}.get(ring_bytes, [True] * 4), ranks
     stored = sum(b.nbytes for t in cp.read_metadata(tmp_path / "r").tensors.values() for b in t.boxes)
     print(f"read-once load on 4 ranks: bytes read per rank {totals}, checkpoint tensors {stored}")
     assert sum(totals) == stored  # not 4x
     assert max(totals) < 0.4 * stored  # and spread over the ranks
     # the other ranks copy every replica out of its reader's shared memory: no receive buffers
-    assert all(rings[1] == 0 for _, rings in torch.load(tmp_path / "totals"))
+    assert all(rings[1] == 0 for _, rings, _ in ranks)
 
 
 def test_ring_reuses_memory_oldest_range_first(monkeypatch):

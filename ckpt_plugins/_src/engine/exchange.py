@@ -1,7 +1,8 @@
 """The load side of execution: one rank's reads and copies, and its part of the read-once
 exchange. What to read and who reads it was decided by `plan`.
 
-Three stages run at once, each on its own threads:
+Three stages run at once, each on its own threads (a small load's, one after the other on the
+calling thread: `ReadExchange._serial`):
 1. read and verify: this rank's reads (its own, and the shared ranges it reads for others), in
    pieces on a thread pool, into their destination or into ring memory, checksummed;
 2. serve: once a read is whole, copy it into this rank's destinations and pass it on to the other
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -62,6 +63,24 @@ def read_items(storage: Storage, work: ReadWork, coord=None, threads: int = 2,
     the bytes read from storage. `recorder` gets the reads, checksums, receives (from shared
     memory and from the group) and copies into the destinations."""
     return ReadExchange(storage, work, coord, recorder or Recorder("load", "", 0, enabled=False)).run(threads)
+
+
+class _Here:
+    """An executor that runs each task at once on the calling thread: a serial load's stages."""
+
+    def submit(self, fn, *args) -> Future:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+    def __enter__(self) -> "_Here":
+        return self
+
+    def __exit__(self, *_) -> None:
+        pass
 
 
 class Batch:
@@ -194,11 +213,20 @@ class ReadExchange:
                 job.route([r for r in t.needers if self.shares(self.rank, r)],
                           [(r, g) for r, g in zip(t.needers, t.wants) if r != self.rank and not self.shares(self.rank, r)])
 
+    def _serial(self) -> bool:
+        """Whether the stages run one after the other on the calling thread: this rank reads less
+        than one piece in all, so threads and hand-offs would cost more than the reads, and its
+        ring holds every read at once, so no read waits for a range to retire (which waits for
+        other ranks' receives) before this rank has served them all and begins to receive."""
+        sizes = [job.ring_bytes for job in self.jobs]
+        return sum(job.end - job.start for job in self.jobs) < READ_PIECE and Ring.size_for(sizes) >= sum(
+            align_up(n, Ring.ALIGN) for n in sizes)
+
     def run(self, threads: int) -> int:
         if self.work.hosts is not None:
             self._share_memory()
         try:
-            return self._exchange(threads)
+            return self._exchange(0 if self._serial() else max(1, threads))
         finally:
             if self.segment is not None:
                 self.segment.unlink()
@@ -249,15 +277,22 @@ class ReadExchange:
         nbytes = 0
         # Read threads only read and verify, keeping the device's queue full; one serving thread
         # sends and copies what they read (copying on the read threads left the device idle here).
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-read") as self.pool, \
-                ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy") as self.server:
+        pools = ((_Here(), _Here()) if not threads else
+                 (ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read"),
+                  ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy")))
+        with pools[0] as self.pool, pools[1] as self.server:
             self.futures: list = []
-            dispatcher = threading.Thread(target=self._dispatch, name="ckpt-read-dispatch", daemon=True)
-            dispatcher.start()
+            dispatcher = threading.Thread(target=self._dispatch, name="ckpt-read-dispatch", daemon=True) \
+                if threads else None
+            if dispatcher is not None:
+                dispatcher.start()
+            else:  # every read served before the first receive: the other ranks wait for them
+                self._dispatch()
             try:
                 self._receive(incoming)
             finally:
-                dispatcher.join()
+                if dispatcher is not None:
+                    dispatcher.join()
                 for future in self.futures:
                     nbytes += future.result()
             self.read_ring.drain()
