@@ -38,6 +38,7 @@ from .ring import Ring
 
 READ_PIECE = 8 << 20  # a big stored range is read as pieces of this size in parallel
 ANNOUNCE_BYTES = 8 << 20  # a reader announces its shared ranges to its host's needers per pass of this much
+SERIAL_BYTES = READ_PIECE  # a rank reading less than this in all runs its stages one after the other
 
 log = logging.getLogger("ckpt_plugins")
 
@@ -215,11 +216,11 @@ class ReadExchange:
 
     def _serial(self) -> bool:
         """Whether the stages run one after the other on the calling thread: this rank reads less
-        than one piece in all, so threads and hand-offs would cost more than the reads, and its
+        than `SERIAL_BYTES` in all, so threads and hand-offs would cost more than the reads, and its
         ring holds every read at once, so no read waits for a range to retire (which waits for
         other ranks' receives) before this rank has served them all and begins to receive."""
         sizes = [job.ring_bytes for job in self.jobs]
-        return sum(job.end - job.start for job in self.jobs) < READ_PIECE and Ring.size_for(sizes) >= sum(
+        return sum(job.end - job.start for job in self.jobs) < SERIAL_BYTES and Ring.size_for(sizes) >= sum(
             align_up(n, Ring.ALIGN) for n in sizes)
 
     def run(self, threads: int) -> int:
