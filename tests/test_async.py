@@ -426,7 +426,7 @@ DEPTH = 72  # 144 ranges: each reader announces over 32 (`shm.ANNOUNCED`) to eac
 # one pass; one range per pass; a few per pass; rank 0 one range per pass, the others one pass
 @pytest.mark.parametrize("ring_bytes", [None, 1, 32 << 10, "1 on rank 0"])
 def test_replicated_load_reads_each_byte_once(tmp_path, ring_bytes):
-    """Each rank reads under one piece (`READ_PIECE`): with its ring holding every read, its
+    """Each rank reads under `SERIAL_BYTES` (one piece): with its ring holding every read, its
     stages run one after the other on the loading thread, with none started; one that must
     reuse its ring reads on threads, and ranks of both kinds exchange alike."""
     cp.save(tmp_path / "r", {"model": make(depth=DEPTH)})
