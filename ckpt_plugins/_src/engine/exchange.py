@@ -283,9 +283,9 @@ class ReadExchange:
                   ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy")))
         with pools[0] as self.pool, pools[1] as self.server:
             self.futures: list = []
-            dispatcher = threading.Thread(target=self._dispatch, name="ckpt-read-dispatch", daemon=True) \
-                if threads else None
-            if dispatcher is not None:
+            dispatcher = None
+            if threads:
+                dispatcher = threading.Thread(target=self._dispatch, name="ckpt-read-dispatch", daemon=True)
                 dispatcher.start()
             else:  # every read served before the first receive: the other ranks wait for them
                 self._dispatch()
