@@ -399,6 +399,36 @@ def test_background_commits_do_not_interleave_with_training_collectives(tmp_path
     assert_loads_as(tmp_path / "i2", values(make()))
 
 
+def unplanned_worker(rank, world, root):
+    """Rank 1 calls only once rank 0's overlapped save has returned (or after 10 s): the call
+    must not wait for the other ranks, with whom it agrees on the plan in its snapshot thread."""
+    model = make()
+    ckpt = cp.Checkpointer()
+    ckpt.coordinator()  # its groups, created (collectively) on first use
+    returned = f"{root}/rank0-returned"
+    waited = 0.0
+    while rank == 1 and not os.path.exists(returned) and waited < 10:
+        time.sleep(0.05)
+        waited += 0.05
+    handle = ckpt.save_async(f"{root}/o", {"model": model}, overlap=True)
+    if rank == 0:
+        open(returned, "w").close()
+    # a component's collective right after the call (the memory tier's) waits for that agreement
+    assert ckpt.coordinator().all_flags(rank + 1) == [1, 2]
+    handle.wait_snapshot()  # the next optimizer step's wait
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    handle.wait(timeout=60)
+    ckpt.close()
+    assert rank == 0 or waited < 10, "rank 0's overlapped save waited for rank 1's call"
+
+
+def test_an_overlapped_save_returns_before_the_ranks_agree_on_its_plan(tmp_path):
+    run_ranks(2, unplanned_worker, str(tmp_path))
+    assert_loads_as(tmp_path / "o", values(make()))
+
+
 def read_once_worker(rank, world, path, totals_path, ring_bytes):
     from ckpt_plugins._src.engine.ring import Ring
     if ring_bytes == "1 on rank 0":

@@ -7,6 +7,7 @@ writes and commits saves in order, and the two gloo groups it coordinates on (se
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -83,9 +84,11 @@ class Checkpointer:
 
     def coordinator(self) -> Coordinator:
         """The foreground coordinator of the checkpoint's own gloo groups (created on first use),
-        once any warm-up using it is over: for collective steps of components built on saves and
-        loads (the memory tier). Every rank calls it."""
+        once any warm-up or overlapped snapshot using it is over: for collective steps of
+        components built on saves and loads (the memory tier). Every rank calls it."""
         self._finish_warm_up()
+        if self._last is not None:
+            self._last.wait_snapshot_quietly()  # an overlapped save agrees on its plan in its snapshot thread
         if self._fg is None:
             self._fg, self._bg = checkpoint_groups(self.process_group, self.timeout)
         return self._fg
@@ -131,16 +134,19 @@ class Checkpointer:
                    **options) -> SaveHandle:
         """Save `state` to `path` in the background; returns a SaveHandle once the snapshot is taken
         (training may then change the state; `handle.wait()` for the commit). `overlap=True`:
-        returns at once, the snapshot running beside the next forward and backward; call
+        returns once the state is captured, the plan's agreement and the snapshot running beside
+        the next forward and backward (any failure is raised by `handle.wait()`); call
         `handle.wait_snapshot()` before the next optimizer step."""
         save = self._start(path, state, "overlap" if overlap else "async", options, hooks)
+        if overlap:  # the lock and the plan's agreement too: training waits only for the state's capture
+            write = functools.partial(self._executor.submit, save.write_and_commit, self._bg)
+            threading.Thread(target=save.planned_snapshot, args=(write,), name="ckpt-snapshot", daemon=True).start()
+            self._returned(save)
+            return save.handle
         streams = not self.pool.fits(save.job.nbytes)  # its snapshot waits for its writes
         if streams:
             self._executor.submit(save.write_and_commit, self._bg)
-        if overlap:
-            threading.Thread(target=save.snapshot, name="ckpt-snapshot", daemon=True).start()
-        else:
-            save.snapshot()  # training waits for this alone: it gets the cores to itself
+        save.snapshot()  # training waits for this alone: it gets the cores to itself
         self._returned(save)
         if not streams:
             self._executor.submit(save.write_and_commit, self._bg)  # following the snapshot
@@ -154,7 +160,9 @@ class Checkpointer:
         options = SaveOptions(**{"compress": self.compress, **options})
         save = Save(storage, state, coord, self.pool, self.cache, options, hooks, mode=mode, telemetry=self.telemetry)
         save.recorder.record.start = t0
-        save.prepare(copy_early=mode == "async")
+        save.capture()
+        if mode != "overlap":  # an overlapped save prepares in its snapshot thread
+            save.prepare(copy_early=mode == "async")
         self._last = save.handle
         return save
 
@@ -177,6 +185,8 @@ class Checkpointer:
     def close(self) -> None:
         """Let pending saves finish, then release the background thread and the checkpoint groups."""
         self._finish_warm_up()
+        if self._last is not None:
+            self._last.wait_snapshot_quietly()  # an overlapped save queues its writes once planned
         self._executor.shutdown(wait=True)
         self._fg = self._bg = None
 

@@ -1,9 +1,10 @@
 """One save, as an object that owns everything it takes for its whole life: its handle, target,
 plan, staging slot and (on the coordinating rank) the commit and its save lock.
 
-Steps: `prepare` (state -> `Contents`, the lock, the plan; collective), `snapshot`
-(copy into a staging slot; what training waits for), `write_and_commit` (in the background: write
-the files, report to the coordinator, which commits; then every rank learns the outcome). Each
+Steps: `capture` (state -> `Contents`, in the caller's thread), `prepare` (the lock, the plan;
+collective), `snapshot` (copy into a staging slot; what training waits for), `write_and_commit`
+(in the background: write the files, report to the coordinator, which commits; then every rank
+learns the outcome). Each
 step passes failures on rather than stopping halfway, so every rank reaches the next agreement
 and raises the same error. The Checkpointer decides when each step runs (sync, async, overlap).
 """
@@ -15,7 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
 import torch
 
@@ -87,7 +88,13 @@ class Contents:
         if base is not None:
             leave_to_base(items, base, storage)
         return cls(rank, items.fragments, items.aliases, {k: encode_object(v) for k, v in items.objects.items()},
-                   {k: encode_object(v) for k, v in items.per_rank.items()}, masters_cast_exactly(items.fragments))
+                   {k: encode_object(v) for k, v in items.per_rank.items()})
+
+    def check_casts(self) -> None:
+        """Whether the weights are their masters' cast, from the live tensors: in the caller's
+        thread, or in an overlapped save's snapshot thread, which runs while training leaves them
+        alone (until the optimizer's next step)."""
+        self.casts = masters_cast_exactly(self.fragments)
 
     @property
     def structure(self) -> Structure:
@@ -138,6 +145,7 @@ class Save:
         self.handle = SaveHandle(str(storage))
         self.what = f"save to {storage}"
         self.contents = Contents(coord.rank)
+        self._failure: Optional[RankFailure] = None  # capture's, passed on by the plan's agreement
         self.commit: Optional[Commit] = None
         self.slot: Optional[StagingSlot] = None
         self.staged: Optional[Staged] = None
@@ -153,25 +161,39 @@ class Save:
 
     # ------------------------------------------------------------ prepare (collective)
 
+    def capture(self) -> None:
+        """The state as `Contents`, in the caller's thread (the only one that may read a
+        framework's state); a failure waits for the plan's agreement, which every rank must learn
+        it from."""
+        self._t0 = time.time()
+        try:
+            self.contents = Contents.of(self.state, self.options.base, self.storage, self.coord.rank)
+        except Exception as exc:
+            self._failure = RankFailure.of(self.coord.rank, exc)
+
     def prepare(self, copy_early: bool) -> None:
-        """Fragments, the lock and the plan. `copy_early`: copy with this rank's cached plan while
-        the ranks agree that every cached plan still holds (an async save's stall then pays no
-        agreement). Raises on every rank if any rank failed; nothing is then held."""
-        self._t0, coord = time.time(), self.coord
+        """The cast check, the lock and the plan, after `capture`: in the caller's thread, or in an
+        overlapped save's snapshot thread (nothing here calls into the framework; the cast check
+        reads the captured tensors, as the snapshot does). `copy_early`: copy with this
+        rank's cached plan while the ranks agree that every cached plan still holds (an async
+        save's stall then pays no agreement). Raises on every rank if any rank failed; nothing is
+        then held."""
+        coord = self.coord
         coord.begin()
         self._collectives_before = coord.collectives
-        failure = None
-        try:  # a failure is passed on by the plan's agreement: every rank must learn of it
-            self.contents = Contents.of(self.state, self.options.base, self.storage, coord.rank)
-            if self.options.compress or self.options.delta_from is not None:
-                codec.zstd()  # missing, it fails the save here, every rank told, before any write
-            if self.options.delta_from is not None:
-                self.base, self.delta = delta.start(self.storage, self.options.delta_from, self.options.max_chain)
-            if coord.is_coordinator:
-                with self.recorder.phase("lock"):
-                    self.commit = Commit.open(self.storage, self.options.overwrite)
-        except Exception as exc:
-            failure = RankFailure.of(coord.rank, exc)
+        failure = self._failure
+        if failure is None:
+            try:  # a failure is passed on by the plan's agreement: every rank must learn of it
+                self.contents.check_casts()
+                if self.options.compress or self.options.delta_from is not None:
+                    codec.zstd()  # missing, it fails the save here, every rank told, before any write
+                if self.options.delta_from is not None:
+                    self.base, self.delta = delta.start(self.storage, self.options.delta_from, self.options.max_chain)
+                if coord.is_coordinator:
+                    with self.recorder.phase("lock"):
+                        self.commit = Commit.open(self.storage, self.options.overwrite)
+            except Exception as exc:
+                failure = RankFailure.of(coord.rank, exc)
         self._plan(failure, copy_early)
 
     def _plan(self, failure: Optional[RankFailure], copy_early: bool) -> None:
@@ -221,6 +243,19 @@ class Save:
         finally:
             self._copy_over.set()
             self.handle.snapshot_taken()
+
+    def planned_snapshot(self, write: Callable[[], Any]) -> None:
+        """An overlapped save's thread, beside the next forward and backward: `prepare`, then
+        `write()` (which queues the writes and the commit), then the snapshot. A failed plan fails
+        the handle: every rank's `wait()` raises it."""
+        try:
+            self.prepare(copy_early=False)
+        except BaseException as exc:
+            self.handle.fail(exc)
+            log.error("%s", exc)
+            return
+        write()
+        self.snapshot()
 
     def _copy(self) -> None:
         job = self.job

@@ -29,6 +29,7 @@ class WarmUp:
         self.contents = Contents(coord.rank)
         try:  # passed on by the plan's agreement: every rank must learn of it
             self.contents = Contents.of(state, base, None, coord.rank)
+            self.contents.check_casts()  # here: the training steps beside `run` change the weights
         except Exception as exc:
             self.failure = RankFailure.of(coord.rank, exc)
 
