@@ -205,10 +205,14 @@ def test_items_are_dealt_biggest_first_over_a_ranks_files_and_aligned():
     from ckpt_plugins._src.save_plan import PAGE, PAGE_ITEM_BYTES, placement
     rank = np.array([1, 0, 0, 0, 0, 1, 0])
     nbytes = np.array([10, 5, PAGE_ITEM_BYTES + 1, 100, 70, 3, PAGE_ITEM_BYTES])
-    order, file, offset = placement(rank, nbytes, 2)
+    order, file, offset = placement(rank, nbytes, 2, spread=0)
     # rank 0 by size: 2, 6 (page aligned), 3, 4, 1: dealt to files 0, 1, 1, 0, 0
     assert order.tolist() == [2, 4, 1, 6, 3, 0, 5] and file.tolist() == [0, 0, 0, 1, 1, 0, 1]
     assert offset.tolist() == [0, PAGE_ITEM_BYTES + PAGE, PAGE_ITEM_BYTES + PAGE + 128, 0, PAGE_ITEM_BYTES, 0, 0]
+    # a rank saving less than `spread` in all (rank 1: 13 bytes) writes one file
+    order, file, offset = placement(rank, nbytes, 2, spread=200)
+    assert order.tolist() == [2, 4, 1, 6, 3, 0, 5] and file.tolist() == [0, 0, 0, 1, 1, 0, 0]
+    assert offset.tolist() == [0, PAGE_ITEM_BYTES + PAGE, PAGE_ITEM_BYTES + PAGE + 128, 0, PAGE_ITEM_BYTES, 0, 64]
 
 
 def test_load_plan_reads_only_the_chunks_it_needs():

@@ -29,6 +29,9 @@ from .spec_table import SpecTable
 
 ITEM_ALIGN = 64  # every item starts 64-byte aligned: typed views stay aligned
 PAGE_ITEM_BYTES = DIRECT_MIN  # items this big start page aligned: loads read them with O_DIRECT (<= 0.4% padding)
+# a rank saving less than this in all writes one data file: its writers would each write less than
+# one write call's piece, and more files cost only more opens and fsyncs
+SPREAD_BYTES = 8 << 20
 SPLIT_BYTES = 16 << 20  # replicated boxes are split into row ranges of at least this many bytes
 _ITEMSIZE = np.array([dtype_from_name(name).itemsize for name in STORABLE_DTYPES], dtype=np.int64)
 
@@ -57,7 +60,7 @@ def spec_runs(specs: Sequence[TensorSpec]) -> List[Run]:
 def place(sizes: Sequence[int], names: Sequence[str]) -> Tuple[List[Placement], Dict[str, int]]:
     """Spread items over the files `names` (`placement`); their places, and each used file's size."""
     sizes = np.asarray(sizes, dtype=np.int64)
-    order, file, offset = placement(np.zeros(len(sizes), dtype=np.int64), sizes, len(names))
+    order, file, offset = placement(np.zeros(len(sizes), dtype=np.int64), sizes, len(names), 0)
     placed: List[Placement] = [Placement("", 0)] * len(sizes)
     used: Dict[str, int] = {}
     for i, f, o in zip(order.tolist(), file.tolist(), offset.tolist()):
@@ -66,16 +69,19 @@ def place(sizes: Sequence[int], names: Sequence[str]) -> Tuple[List[Placement], 
     return placed, used
 
 
-def placement(rank: np.ndarray, nbytes: np.ndarray, files: int) -> Tuple[np.ndarray, ...]:
+def placement(rank: np.ndarray, nbytes: np.ndarray, files: int, spread: int) -> Tuple[np.ndarray, ...]:
     """Each rank's items over its `files` files: biggest first, dealt out back and forth (0, 1,
-    .., files - 1, files - 1, .., 0, ...), one after the other in each file, 64-byte aligned
-    (page aligned from `PAGE_ITEM_BYTES`). Returns the items' order (rank by rank, file by file,
-    offset by offset), and in that order their file (index among the rank's) and offset."""
+    .., files - 1, files - 1, .., 0, ...), or all in its first file when they add up to less than
+    `spread` bytes; one after the other in each file, 64-byte aligned (page aligned from
+    `PAGE_ITEM_BYTES`). Returns the items' order (rank by rank, file by file, offset by offset),
+    and in that order their file (index among the rank's) and offset."""
     by_size = lexsorted((-nbytes, rank))
     ranks = rank[by_size]
     nth = np.arange(len(ranks)) - firsts(ranks)  # each item's place among its rank's
     turn, seat = np.divmod(nth, files)
     dealt = np.where(turn % 2 == 0, seat, files - 1 - seat)
+    if len(ranks):
+        dealt[np.bincount(rank, weights=nbytes)[ranks] < spread] = 0
     within = lexsorted((nth, dealt, ranks))
     order, file = by_size[within], dealt[within]
     sizes = nbytes[order]
@@ -261,7 +267,7 @@ def plan_save(table: SpecTable, runs: RunGroups, files_per_rank: int = 1,
                                                minlength=runs.world).astype(np.int64))
     shared = _Shared.of(table, rows, runs, keys, live, box, np.flatnonzero(kept & ~alone), nbytes)
     every = Writes.joined([single, shared.writes(load)])
-    order, file, offset = placement(every.rank, every.nbytes, files_per_rank)
+    order, file, offset = placement(every.rank, every.nbytes, files_per_rank, SPREAD_BYTES)
     every = every.take(order)
     every.file, every.offset = file, offset
     return SavePlan(every, keys.names, keys.shapes, keys.dtypes, load.load, files_per_rank,
