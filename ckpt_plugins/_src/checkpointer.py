@@ -31,9 +31,10 @@ log = logging.getLogger("ckpt_plugins")
 class Checkpointer:
     """Saves and loads for the ranks of one process group (every rank calls every method).
 
-    `threads`: writer threads (and data files) per rank (one file for a rank saving under 8 MiB). `read_threads`: concurrent reads per rank;
-    more than the cores, since reads mostly wait on the device and it serves deeper queues faster
-    (`bench/save_load.py`); a rank reading under 8 MiB in all reads on the loading thread. `shared_memory`:
+    `threads`: writer threads (and data files) per rank; a rank saving under 8 MiB in all writes
+    one file. `read_threads`: concurrent reads per rank; more than the cores, since reads mostly
+    wait on the device and it serves deeper queues faster (`bench/save_load.py`); a rank reading
+    under 8 MiB in all reads on the loading thread. `shared_memory`:
     ranks on one host pass read-once ranges through /dev/shm rather than the process group.
     `telemetry`: record every save's and load's phases (SaveInfo/LoadResult, `telemetry.json`).
     `host_memory`: the most host memory this rank stages saves in (bytes, or a size such as
