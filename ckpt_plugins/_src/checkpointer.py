@@ -87,17 +87,19 @@ class Checkpointer:
         """The foreground coordinator of the checkpoint's own gloo groups (created on first use),
         once any warm-up or overlapped snapshot using it is over: for collective steps of
         components built on saves and loads (the memory tier). Every rank calls it."""
-        self._finish_warm_up()
-        if self._last is not None:
-            self._last.wait_snapshot_quietly()  # an overlapped save agrees on its plan in its snapshot thread
+        self._foreground_idle()
         if self._fg is None:
             self._fg, self._bg = checkpoint_groups(self.process_group, self.timeout)
         return self._fg
 
-    def _finish_warm_up(self) -> None:
+    def _foreground_idle(self) -> None:
+        """Wait for the background users of the foreground group: a warm-up, and an overlapped
+        save, which agrees on its plan in its snapshot thread (and then queues its writes)."""
         if self._warming is not None:
             self._warming.join()
             self._warming = None
+        if self._last is not None:
+            self._last.wait_snapshot_quietly()
 
     def warm_up(self, state: Dict[str, Any], *, base=None, background: bool = True) -> None:
         """Pay the first save's one-time costs now, so that it stalls no longer than any later one
@@ -185,9 +187,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Let pending saves finish, then release the background thread and the checkpoint groups."""
-        self._finish_warm_up()
-        if self._last is not None:
-            self._last.wait_snapshot_quietly()  # an overlapped save queues its writes once planned
+        self._foreground_idle()
         self._executor.shutdown(wait=True)
         self._fg = self._bg = None
 

@@ -19,6 +19,7 @@ import numpy as np
 from .format import (CAST_DTYPES, DATA_DIR, MODEL, STORABLE_DTYPES, Metadata, StoredBox, TensorMeta, chunk_bytes_for,
                      dtype_from_name, master_key)
 from .fragment import Box
+from .engine.write import PIECE
 from .gcpause import gc_paused
 from .hostmem import DIRECT_MIN, PAGE
 from .packing import aligned, spans
@@ -31,7 +32,7 @@ ITEM_ALIGN = 64  # every item starts 64-byte aligned: typed views stay aligned
 PAGE_ITEM_BYTES = DIRECT_MIN  # items this big start page aligned: loads read them with O_DIRECT (<= 0.4% padding)
 # a rank saving less than this in all writes one data file: its writers would each write less than
 # one write call's piece, and more files cost only more opens and fsyncs
-SPREAD_BYTES = 8 << 20
+SPREAD_BYTES = PIECE
 SPLIT_BYTES = 16 << 20  # replicated boxes are split into row ranges of at least this many bytes
 _ITEMSIZE = np.array([dtype_from_name(name).itemsize for name in STORABLE_DTYPES], dtype=np.int64)
 

@@ -4,9 +4,9 @@ plan, staging slot and (on the coordinating rank) the commit and its save lock.
 Steps: `capture` (state -> `Contents`, in the caller's thread), `prepare` (the lock, the plan;
 collective), `snapshot` (copy into a staging slot; what training waits for), `write_and_commit`
 (in the background: write the files, report to the coordinator, which commits; then every rank
-learns the outcome). Each
-step passes failures on rather than stopping halfway, so every rank reaches the next agreement
-and raises the same error. The Checkpointer decides when each step runs (sync, async, overlap).
+learns the outcome). Each step passes failures on rather than stopping halfway, so every rank
+reaches the next agreement and raises the same error. The Checkpointer decides when each step
+runs (sync, async, overlap).
 """
 from __future__ import annotations
 
