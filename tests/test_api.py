@@ -2,6 +2,7 @@
 import base64
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -191,6 +192,46 @@ def test_unsafe_objects_are_refused_at_save(tmp_path):
     with pytest.raises(cp.SaveError, match="Opaque is neither JSON data nor"):
         cp.save(tmp_path / "c", {"extra": {"o": Opaque()}})
     assert not os.path.exists(tmp_path / "c" / "metadata.json")
+
+
+def test_objects_made_of_what_weights_only_rebuilds_are_not_loaded_back_at_save(monkeypatch):
+    from ckpt_plugins._src.objects import decode_object, encode_object
+    plain = [[{"params": [0, 1], "betas": (0.9, 0.999), "lr": float("nan")}],
+             {1: torch.arange(3), "raw": b"ab", "c": 1j, "none": None}, torch.zeros(2, dtype=torch.uint8)]
+    other = [torch.nn.Parameter(torch.ones(2)), torch.Size([2, 3])]
+    real, loads = torch.load, []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(1) or real(*a, **k))
+    encoded = [encode_object(v) for v in plain]
+    assert loads == []  # no round trip: these are known to load
+    encoded += [encode_object(v) for v in other]
+    assert len(loads) == len(other)  # anything else is checked by loading it back
+    with pytest.raises(TypeError, match="(?s)list is neither JSON data nor .*Unsupported global: GLOBAL .*Opaque"):
+        encode_object([{"o": Opaque()}])
+    for value, enc in zip(plain + other, encoded):
+        back = decode_object("k", enc.encoding, enc.data)
+        assert type(back) is type(value) and repr(back) == repr(value)
+
+
+def test_a_writer_is_woken_once_its_piece_is_staged_not_for_every_tensor_copied(tmp_path, monkeypatch):
+    from ckpt_plugins._src.engine import write
+    wakes = []
+
+    class Counted(threading.Condition):
+        def notify_all(self):
+            wakes.append(1)
+            super().notify_all()
+    init = write.StagedWrite.__init__
+
+    def counted(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._cond = Counted()
+    monkeypatch.setattr(write.StagedWrite, "__init__", counted)
+    state = {f"w{i}": torch.full((8,), float(i)) for i in range(300)}
+    cp.save(tmp_path / "c", {"t": state})
+    assert len(wakes) < 10  # the snapshot's start and end, the writer's piece, its window written
+    back = {k: torch.zeros(8) for k in state}
+    cp.load(tmp_path / "c", {"t": back})
+    assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
 def test_metadata_is_versioned_plain_json(tmp_path):

@@ -1,7 +1,10 @@
 """The coordinator's collectives on real processes: messages of any length, none, or a failure."""
 import numpy as np
 import pytest
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
+from ckpt_plugins._src import coordinator
 from ckpt_plugins._src.coordinator import Coordinator
 from ckpt_plugins._src.errors import CheckpointError
 from ckpt_plugins._src.packing import Joined, gathered, unframed
@@ -33,6 +36,21 @@ def _collectives(rank, world):
         range(rank * 100))
     assert coord.all_flags(rank * 7) == [0, 7, 14]
     assert coord.collectives == 5
+    # a broadcast is one collective unless its message outgrows the first (a failure's traceback)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].numel())
+        return real(*args, **kwargs)
+    real = c10d.broadcast
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(c10d, "broadcast", counted)
+        patch.setattr(dist, "broadcast", counted)
+        assert coord.broadcast({"committed": True} if rank == 0 else None) == {"committed": True}
+        assert len(calls) == 1
+        long = [f"{i}" * 1000 for i in range(10)]
+        assert coord.broadcast(long if rank == 0 else None) == long
+        assert len(calls) == 3
 
     def request():
         if rank == 1:
@@ -55,8 +73,11 @@ def _collectives(rank, world):
     with pytest.raises(CheckpointError, match="load of x failed: rank 2: ValueError: a checksum mismatch"):
         coord.agreed_steps([data, gather], what="load of x")
     assert ran == []
-    coord.agreed_steps([data if rank != 2 else lambda: None, gather], what="load of x")
-    assert ran == [[0, 1, 2]]
+    gathers, real_gather = [], coordinator._all_gather_single
+    with pytest.MonkeyPatch.context() as patch:  # all went well: a flag after each step, nothing more
+        patch.setattr(coordinator, "_all_gather_single", lambda *a, **k: gathers.append(1) or real_gather(*a, **k))
+        coord.agreed_steps([data if rank != 2 else lambda: None, gather], what="load of x")
+    assert ran == [[0, 1, 2]] and len(gathers) == 3  # the step's own gather among them
 
 
 def test_collectives_carry_messages_of_any_length_and_a_failure_reaches_every_rank():

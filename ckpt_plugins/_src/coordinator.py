@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from .errors import CheckpointError, PeerLost
 from .failure import RankFailure, collect, failure_error
-from .packing import frame_bytes, framed, gathered, unframed
+from .packing import FRAME, frame_bytes, framed, gathered, unframed
 
 GRACE = timedelta(seconds=2)  # how long survivors wait for each other to say they are alive
+BROADCAST_BYTES = 4096  # a broadcast's first collective carries this much: a save's outcome fits
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
 
 
@@ -126,13 +127,25 @@ class Coordinator:
 
     @_talks
     def broadcast(self, obj: Any) -> Any:
-        """The coordinator's `obj`, on every rank."""
+        """The coordinator's `obj`, on every rank: one broadcast of `BROADCAST_BYTES` holding its
+        length and its start, and a second for the rest only when it is longer (torch's
+        `broadcast_object_list` always makes two, the length's and the data's)."""
         if self.world_size == 1:
             return obj
         self.collectives += 1
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._root(), group=self.group)
-        return box[0]
+        data = bytearray(pickle.dumps(obj)) if self.is_coordinator else bytearray()
+        room = BROADCAST_BYTES - FRAME
+        head = framed(data[:room], BROADCAST_BYTES)
+        head[:FRAME] = len(data).to_bytes(FRAME, "little")
+        dist.broadcast(torch.frombuffer(head, dtype=torch.uint8), src=self._root(), group=self.group)
+        size = int.from_bytes(head[:FRAME], "little")
+        if not self.is_coordinator:
+            data = bytearray(size)
+            data[:room] = head[FRAME:FRAME + min(size, room)]
+        if size > room:
+            dist.broadcast(torch.frombuffer(memoryview(data)[room:], dtype=torch.uint8), src=self._root(),
+                           group=self.group)
+        return obj if self.is_coordinator else pickle.loads(data)
 
     @_talks
     def all_flags(self, flag: int) -> List[int]:
@@ -182,13 +195,16 @@ class Coordinator:
         """`agreed` for steps run in order, where a step may run collectives of its own (a load's
         last step, ZeRO-3's gather of its parameters): before each step after the first, one small
         collective tells every rank whether any has failed, and then none goes on, so no rank
-        waits in a collective that a failed rank never joins."""
-        failure = None
+        waits in a collective that a failed rank never joins. The steps return nothing, so the
+        end is one more such flag, and which ranks failed and why travel only when one did."""
+        failure, failed = None, False
         for i, step in enumerate(steps):
             if i and any(self.all_flags(int(failure is not None))):
+                failed = True
                 break
             failure, _ = self._outcome(step)
-        self.agree(failure, what=what, then=then, default=default)
+        if failed or any(self.all_flags(int(failure is not None))):
+            self.agree(failure, what=what, then=then, default=default)
 
     def agreed_bytes(self, fn: Callable[[], bytes], *, what: str, then: str = "",
                      default=CheckpointError) -> bytearray:

@@ -38,12 +38,34 @@ def encode_object(value: Any) -> Encoded:
     buf = io.BytesIO()
     torch.save(value, buf)
     data = buf.getvalue()
-    try:  # refuse at save time what could never be loaded safely
-        torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:
-        raise TypeError(f"{type(value).__name__} is neither JSON data nor tensors/containers that "
-                        f"torch.load(weights_only=True) accepts: {exc}") from None
+    if not _loadable(value):
+        try:  # refuse at save time what could never be loaded safely
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:
+            raise TypeError(f"{type(value).__name__} is neither JSON data nor tensors/containers that "
+                            f"torch.load(weights_only=True) accepts: {exc}") from None
     return Encoded("torch", data)
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _loadable(value: Any, depth: int = 0) -> bool:
+    """Whether `value` is made only of what `torch.load(weights_only=True)` always rebuilds (plain
+    scalars, tuples, lists, dicts, plain CPU tensors), so a save need not load it back to know:
+    that round trip cost more than the pickling (an optimizer's param_groups, an RNG state).
+    False means: check by loading it back."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return True
+    if depth > 32:  # deep, or a cycle
+        return False
+    if kind in (tuple, list):
+        return all(_loadable(v, depth + 1) for v in value)
+    if kind is dict:
+        return all(type(k) in _SCALARS and _loadable(v, depth + 1) for k, v in value.items())
+    return (kind is torch.Tensor and value.device.type == "cpu" and value.layout == torch.strided
+            and not value.is_quantized)
 
 
 def decode_object(key: str, encoding: str, data: bytes) -> Any:

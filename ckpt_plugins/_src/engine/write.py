@@ -87,6 +87,7 @@ class StagedWrite:
         self._unwritten: List[int] = []  # per window: its file ranges not yet written
         self._freed = 0  # leading windows written: their halves of the buffer may be reused
         self._ready = {name: 0 for name in self.sizes}  # staged prefix of each file
+        self._awaited = {name: 0 for name in self.sizes}  # the staged prefix each file's writer waits for
         self._failed: Optional[Tuple[str, BaseException]] = None  # (which side, its error)
         self._cond = threading.Condition()
 
@@ -235,6 +236,7 @@ class StagedWrite:
                     window = self._windows.windows[k]
                     end = window.ranges[name][1]
                     target = min(end, pos + PIECE)
+                    self._awaited[name] = target
                     while self._ready[name] < target and self._failed is None:
                         self._cond.wait()
                     self._raise_if_failed()
@@ -545,11 +547,10 @@ class _Progress:
         with job._cond:
             self.finished.add(index)
             name = self.pieces[index].file
-            queue, moved = self.left[name], False
+            queue, ready = self.left[name], job._ready[name]
             while queue and queue[0] in self.finished:
                 job._ready[name] = self.pieces[queue.popleft()].end
-                moved = True
-            if moved:
+            if ready < job._awaited[name] <= job._ready[name]:
                 job._cond.notify_all()
 
 
