@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 from typing import Any, Dict, Optional
 
@@ -106,7 +107,11 @@ _UNSTORED = object()
 
 def _as_json(value):
     """`value` as plain JSON data (an enum such as `exit_signal` becomes its number, a tuple a list),
-    so the arguments are stored as JSON that any process reads; `_UNSTORED` when it has none."""
+    so the arguments are stored as JSON that any process reads; `_UNSTORED` when it has none.
+    Plain scalars, most of a run's hundreds of arguments, are their own (a round trip each cost
+    milliseconds per save)."""
+    if value is None or type(value) in (bool, int, str) or (type(value) is float and math.isfinite(value)):
+        return value
     try:
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError):

@@ -486,3 +486,27 @@ def test_megatron_consumed_samples_continue_the_same_stream_at_another_dp_size()
             assert global_batches(make, dp, consumed) == full[consumed // batch:]
     sharded = cyclic(True)
     assert global_batches(sharded, 2, consumed) != global_batches(sharded, 4, 0)[consumed // batch:]
+
+
+def test_the_run_arguments_are_stored_as_json_with_a_round_trip_only_for_what_is_not_a_plain_scalar(monkeypatch):
+    import argparse
+    import enum
+    import json
+
+    from megatron_ext import training
+
+    class Signal(enum.Enum):
+        TERM = 15
+    args = {f"a{i}": v for i, v in enumerate([3, 0.5, "adam", None, True] * 100)}
+    args.update(betas=(0.9, 0.95), nan=float("nan"), dtype=torch.bfloat16, signal=Signal.TERM, layers={"1": [2]})
+    expected = {}
+    for k, v in sorted(args.items()):
+        try:
+            expected[k] = json.loads(json.dumps(v, allow_nan=False))
+        except (TypeError, ValueError):
+            pass
+    dumped, real = [], json.dumps
+    monkeypatch.setattr(training.json, "dumps", lambda v, **k: dumped.append(v) or real(v, **k))
+    values = training.RunState(7, 1.0, argparse.Namespace(**args)).values
+    assert values["args"] == expected and list(values["args"]) == list(expected)
+    assert len(dumped) == 5  # the tuple, the NaN, the dtype, the enum and the dict: no scalar
