@@ -198,7 +198,9 @@ def test_objects_made_of_what_weights_only_rebuilds_are_not_loaded_back_at_save(
     from ckpt_plugins._src.objects import decode_object, encode_object
     plain = [[{"params": [0, 1], "betas": (0.9, 0.999), "lr": float("nan")}],
              {1: torch.arange(3), "raw": b"ab", "c": 1j, "none": None}, torch.zeros(2, dtype=torch.uint8)]
-    other = [torch.nn.Parameter(torch.ones(2)), torch.Size([2, 3])]
+    tagged = torch.ones(2)
+    tagged.note = "kept"  # pickled with the tensor: checked by loading it back
+    other = [torch.nn.Parameter(torch.ones(2)), torch.Size([2, 3]), tagged]
     real, loads = torch.load, []
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(1) or real(*a, **k))
     encoded = [encode_object(v) for v in plain]
@@ -210,6 +212,10 @@ def test_objects_made_of_what_weights_only_rebuilds_are_not_loaded_back_at_save(
     for value, enc in zip(plain + other, encoded):
         back = decode_object("k", enc.encoding, enc.data)
         assert type(back) is type(value) and repr(back) == repr(value)
+        assert getattr(back, "__dict__", None) == getattr(value, "__dict__", None)
+    tagged.note = Opaque()
+    with pytest.raises(TypeError, match="(?s)Tensor is neither JSON data nor .*Opaque"):
+        encode_object(tagged)
 
 
 def test_a_writer_is_woken_once_its_piece_is_staged_not_for_every_tensor_copied(tmp_path, monkeypatch):

@@ -65,7 +65,7 @@ def _loadable(value: Any, depth: int = 0) -> bool:
     if kind is dict:
         return all(type(k) in _SCALARS and _loadable(v, depth + 1) for k, v in value.items())
     return (kind is torch.Tensor and value.device.type == "cpu" and value.layout == torch.strided
-            and not value.is_quantized)
+            and not value.is_quantized and not vars(value))  # attributes set on it are pickled too
 
 
 def decode_object(key: str, encoding: str, data: bytes) -> Any:
