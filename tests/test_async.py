@@ -60,6 +60,24 @@ def test_overlapped_save_returns_before_the_snapshot(tmp_path, monkeypatch):
     assert_loads_as(tmp_path / "o", before)
 
 
+def test_overlapped_saves_copy_on_the_checkpointers_own_thread_not_one_started_per_save(tmp_path, monkeypatch):
+    model, ckpt = make(), cp.Checkpointer()
+    ckpt.save_async(tmp_path / "a", {"model": model}, overlap=True).wait()  # its threads start
+    started, start, caller = [], threading.Thread.start, threading.current_thread()
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (
+        threading.current_thread() is caller and started.append(self.name)) or start(self))
+    before = values(model)
+    handle = ckpt.save_async(tmp_path / "b", {"model": model}, overlap=True)
+    handle.wait_snapshot()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    handle.wait()
+    assert started == []  # by the caller: a thread's start waits for the thread to run
+    assert_loads_as(tmp_path / "b", before)
+    ckpt.close()
+
+
 def held_snapshots(monkeypatch, seconds):
     """Snapshots start only `seconds` from now (as a slow copy would finish late)."""
     from ckpt_plugins._src.engine.write import StagedWrite

@@ -142,7 +142,8 @@ def matrix_worker(rank, world, root, cases, shared_memory, out):
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
     good = 1
-    manager.save(good, state(rank, world, good, armed)[0])
+    manager.save_async(0, state(rank, world, 0, armed)[0], overlap=True).wait()  # the Checkpointer's
+    manager.save(good, state(rank, world, good, armed)[0])  # threads start, and stay until it is closed
     manager.load(state(rank, world, 0, armed)[0])  # the load path's threads come and go once
     baseline, seen = _threads(), {}
     for i, case in enumerate(cases):

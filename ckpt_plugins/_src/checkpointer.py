@@ -1,8 +1,8 @@
 """The Checkpointer: one per process group; runs saves (sync, async, overlapped) and loads.
 
-It owns what outlives one save: the staging pool, the plan cache, the background thread that
-writes and commits saves in order, and the two gloo groups it coordinates on (see
-`coordinator.checkpoint_groups`). Each save and load is an object of its own (`saving.Save`,
+It owns what outlives one save: the staging pool, the plan cache, the background threads that
+copy overlapped saves and that write and commit saves in order, and the two gloo groups it
+coordinates on (see `coordinator.checkpoint_groups`). Each save and load is an object of its own (`saving.Save`,
 `loading.Load`) that owns what it takes.
 """
 from __future__ import annotations
@@ -62,6 +62,9 @@ class Checkpointer:
         self._fg: Optional[Coordinator] = None
         self._bg: Optional[Coordinator] = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")  # saves commit in order
+        # overlapped saves plan and copy here, one at a time: a thread started per save cost its
+        # caller a wait for the new thread to run (a millisecond on busy cores)
+        self._snapshots = ThreadPoolExecutor(1, thread_name_prefix="ckpt-snapshot")
         self._last: Optional[SaveHandle] = None
         self._warming: Optional[threading.Thread] = None
 
@@ -143,7 +146,7 @@ class Checkpointer:
         save = self._start(path, state, "overlap" if overlap else "async", options, hooks)
         if overlap:  # the lock and the plan's agreement too: training waits only for the state's capture
             write = functools.partial(self._executor.submit, save.write_and_commit, self._bg)
-            threading.Thread(target=save.planned_snapshot, args=(write,), name="ckpt-snapshot", daemon=True).start()
+            self._snapshots.submit(save.planned_snapshot, write)
             self._returned(save)
             return save.handle
         streams = not self.pool.fits(save.job.nbytes)  # its snapshot waits for its writes
@@ -188,6 +191,7 @@ class Checkpointer:
     def close(self) -> None:
         """Let pending saves finish, then release the background thread and the checkpoint groups."""
         self._foreground_idle()
+        self._snapshots.shutdown(wait=True)
         self._executor.shutdown(wait=True)
         self._fg = self._bg = None
 
