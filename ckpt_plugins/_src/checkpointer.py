@@ -2,8 +2,8 @@
 
 It owns what outlives one save: the staging pool, the plan cache, the background threads that
 copy overlapped saves and that write and commit saves in order, and the two gloo groups it
-coordinates on (see `coordinator.checkpoint_groups`). Each save and load is an object of its own (`saving.Save`,
-`loading.Load`) that owns what it takes.
+coordinates on (see `coordinator.checkpoint_groups`). Each save and load is an object of its
+own (`saving.Save`, `loading.Load`) that owns what it takes.
 """
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ class Checkpointer:
             self._last.wait()
 
     def close(self) -> None:
-        """Let pending saves finish, then release the background thread and the checkpoint groups."""
+        """Let pending saves finish, then release the background threads and the checkpoint groups."""
         self._foreground_idle()
         self._snapshots.shutdown(wait=True)
         self._executor.shutdown(wait=True)

@@ -135,8 +135,9 @@ class Coordinator:
         self.collectives += 1
         data = bytearray(pickle.dumps(obj)) if self.is_coordinator else bytearray()
         room = BROADCAST_BYTES - FRAME
-        head = framed(data[:room], BROADCAST_BYTES)
+        head = bytearray(BROADCAST_BYTES)  # the whole message's length, then as much of it as fits
         head[:FRAME] = len(data).to_bytes(FRAME, "little")
+        head[FRAME:FRAME + min(len(data), room)] = data[:room]
         dist.broadcast(torch.frombuffer(head, dtype=torch.uint8), src=self._root(), group=self.group)
         size = int.from_bytes(head[:FRAME], "little")
         if not self.is_coordinator:
