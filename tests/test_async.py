@@ -1,4 +1,5 @@
 """The engine: async and overlapped saves, ordering, plan cache, staging cap, failures, read-once loads."""
+import gc
 import os
 import threading
 import time
@@ -74,6 +75,43 @@ def test_overlapped_saves_copy_on_the_checkpointers_own_thread_not_one_started_p
             p.mul_(-1.0)
     handle.wait()
     assert started == []  # by the caller: a thread's start waits for the thread to run
+    assert_loads_as(tmp_path / "b", before)
+    ckpt.close()
+
+
+class Finalised:
+    """A framework object in a reference cycle whose finaliser waits for the last save, as
+    DeepSpeed's engine does: its `__del__` calls the `destroy` the hook wrapped (`committed_first`)."""
+
+    def __init__(self, ckpt, ran):
+        from ckpt_plugins.ext import committed_first
+        self.cycle = self
+        self.destroy = committed_first(lambda: ran.append(threading.current_thread().name), ckpt)
+
+    def __del__(self):
+        self.destroy()
+
+
+def test_a_teardown_collected_on_a_thread_a_save_runs_on_does_not_wait_for_that_save(tmp_path, monkeypatch):
+    """Garbage collection runs a finaliser on whichever thread allocates: the commit thread
+    waited for its own commit there, forever (and so would a caller mid-snapshot)."""
+    from ckpt_plugins.ext import SaveHooks
+    from ckpt_plugins._src.engine.write import StagedWrite
+    ckpt, ran, model = cp.Checkpointer(), [], make()
+
+    def collect(*_):
+        Finalised(ckpt, ran)  # garbage at once, which only the collector frees
+        gc.collect()
+
+    before = values(model)
+    ckpt.save_async(tmp_path / "a", {"model": model}, hooks=SaveHooks(on_commit=collect)).wait(timeout=60)
+    original = StagedWrite.snapshot
+    monkeypatch.setattr(StagedWrite, "snapshot", lambda self, buf, **kw: (collect(), original(self, buf, **kw))[1])
+    caller = threading.Thread(target=ckpt.save, args=(tmp_path / "b", {"model": model}), daemon=True)
+    caller.start()
+    caller.join(60)
+    assert not caller.is_alive() and ran == ["ckpt-commit_0", caller.name]
+    assert_loads_as(tmp_path / "a", before)
     assert_loads_as(tmp_path / "b", before)
     ckpt.close()
 

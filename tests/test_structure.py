@@ -1,6 +1,6 @@
 """The structure the code keeps: extensions use the core only through `ckpt_plugins` and
 `ckpt_plugins.ext`; the core imports and names no framework; its modules import each other
-without a cycle, and every import in them resolves; no function of the core grows past about 60
+without a cycle, and every import in them resolves; it makes its threads in one place; no function of the core grows past about 60
 lines."""
 import ast
 import io
@@ -119,6 +119,15 @@ def test_no_function_of_the_core_is_longer_than_60_lines():
             for path, src in sources(CORE) for node in ast.walk(ast.parse(src))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60]
     assert not long, long
+
+
+def test_the_core_makes_its_threads_only_through_own_threads():
+    """Its threads are marked so that a finaliser collected there never waits for a save (`own_threads`)."""
+    made = [(os.path.relpath(path, ROOT), node.lineno) for path, src in sources(CORE)
+            if not path.endswith("own_threads.py") for node in ast.walk(ast.parse(src))
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+            in ("Thread", "ThreadPoolExecutor", "Timer")]
+    assert not made, made
 
 
 def test_every_import_of_the_core_resolves_including_those_inside_functions():

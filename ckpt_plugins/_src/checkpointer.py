@@ -11,10 +11,10 @@ import functools
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Dict, Optional, Union
 
+from . import own_threads
 from .coordinator import Coordinator, checkpoint_groups
 from .loading import load
 from .plan_cache import PlanCache
@@ -61,10 +61,10 @@ class Checkpointer:
         self.cache = PlanCache(threads)
         self._fg: Optional[Coordinator] = None
         self._bg: Optional[Coordinator] = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")  # saves commit in order
+        self._executor = own_threads.executor(1, "ckpt-commit")  # saves commit in order
         # overlapped saves plan and copy here, one at a time: a thread started per save cost its
         # caller a wait for the new thread to run (a millisecond on busy cores)
-        self._snapshots = ThreadPoolExecutor(1, thread_name_prefix="ckpt-snapshot")
+        self._snapshots = own_threads.executor(1, "ckpt-snapshot")
         self._last: Optional[SaveHandle] = None
         self._warming: Optional[threading.Thread] = None
 
@@ -113,7 +113,7 @@ class Checkpointer:
         `host_memory`."""
         warm = WarmUp(state, self.coordinator(), self.pool, self.cache, base)
         if background:
-            self._warming = threading.Thread(target=warm.run, args=(True,), name="ckpt-warm-up", daemon=True)
+            self._warming = own_threads.thread(warm.run, "ckpt-warm-up", True)
             self._warming.start()
         else:
             warm.run(False)
@@ -125,6 +125,7 @@ class Checkpointer:
         if self._last.path == str(storage):
             self._last.wait_quietly()  # never clean up or read under a save still writing here
 
+    @own_threads.working()  # its snapshot runs on the caller's thread
     def save(self, path, state: Dict[str, Any], *, hooks: SaveHooks = NO_HOOKS, **options) -> SaveInfo:
         """Save `state` to `path`; returns once committed. `options`: the fields of `SaveOptions`
         (framework, layout, step, overwrite, base, compress); `hooks`: steps around the commit (`SaveHooks`).
@@ -136,6 +137,7 @@ class Checkpointer:
         self._returned(save)
         return info
 
+    @own_threads.working()
     def save_async(self, path, state: Dict[str, Any], *, overlap: bool = False, hooks: SaveHooks = NO_HOOKS,
                    **options) -> SaveHandle:
         """Save `state` to `path` in the background; returns a SaveHandle once the snapshot is taken

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from .own_threads import at_work
 from .results import SaveHandle
 
 
@@ -23,9 +24,12 @@ def committed_first(native: Callable, checkpointer=None) -> Callable:
     """`native` (a framework's end of training: one that promises every save is done, or destroys
     the process group a commit needs), called once the last save of `checkpointer` (None: the
     process group's default, looked up at the call) has committed; that save's error is raised
-    after `native` ran."""
+    after `native` ran. Called on a thread doing checkpoint work (a finaliser that garbage
+    collection ran there), `native` runs at once: the save may be waiting for that thread."""
     def call(*args, **kwargs):
         from .api import checkpointer as default  # the api builds on this module
+        if at_work():
+            return native(*args, **kwargs)
         try:
             (checkpointer or default()).wait()
         finally:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .. import hostmem, shm
+from .. import hostmem, own_threads, shm
 from ..format import dtype_from_name
 from ..fragment import Fragment
 from ..hostmem import DIRECT_MIN, align_up
@@ -279,13 +279,12 @@ class ReadExchange:
         # Read threads only read and verify, keeping the device's queue full; one serving thread
         # sends and copies what they read (copying on the read threads left the device idle here).
         pools = ((_Here(), _Here()) if not threads else
-                 (ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read"),
-                  ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy")))
+                 (own_threads.executor(threads, "ckpt-read"), own_threads.executor(1, "ckpt-copy")))
         with pools[0] as self.pool, pools[1] as self.server:
             self.futures: list = []
             dispatcher = None
             if threads:
-                dispatcher = threading.Thread(target=self._dispatch, name="ckpt-read-dispatch", daemon=True)
+                dispatcher = own_threads.thread(self._dispatch, "ckpt-read-dispatch")
                 dispatcher.start()
             else:  # every read served before the first receive: the other ranks wait for them
                 self._dispatch()

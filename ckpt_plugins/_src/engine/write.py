@@ -16,7 +16,6 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -24,7 +23,7 @@ import torch
 
 from ..codec import Packer, head_bytes, xor
 from ..format import CHUNK_BYTES, ChunkSums, StoredItem
-from .. import hostmem
+from .. import hostmem, own_threads
 from ..storage import AlignedStream, Storage
 from ..storage.stream import DIRECT
 from ..telemetry import Recorder
@@ -154,7 +153,7 @@ class StagedWrite:
             except BaseException as exc:
                 errors.append(exc)
 
-        helpers = [threading.Thread(target=copy_shared, name="ckpt-snapshot-copy", daemon=True)
+        helpers = [own_threads.thread(copy_shared, "ckpt-snapshot-copy")
                    for _ in range(max(0, threads - 1))]
         for t in helpers:
             t.start()
@@ -208,7 +207,7 @@ class StagedWrite:
                              dict(self.sizes))
         recorder = recorder or Recorder("save", "", 0, enabled=False)
         try:
-            with ThreadPoolExecutor(max(1, len(self.sizes)), thread_name_prefix="ckpt-write") as pool:
+            with own_threads.executor(max(1, len(self.sizes)), "ckpt-write") as pool:
                 list(pool.map(lambda name: self._write_file(name, result, recorder), sorted(self.sizes)))
         except BaseException:
             if self._failed is not None and self._failed[0] == "writing":

@@ -7,11 +7,11 @@ faulted in every page on the way (`bench/memory_tier.py` times a memory save's b
 """
 from __future__ import annotations
 
-import threading
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from .. import own_threads
 from ..coordinator import Coordinator
 from .hostdir import PIECE, HostDir, Landing, pieces
 from .layout import Hosts
@@ -28,8 +28,7 @@ def replicate(coord: Coordinator, hosts: Hosts, files: Sequence[Dict[str, int]],
     target = hosts.replica_of(rank)
     sender = None
     if target is not None and files[rank]:
-        sender = threading.Thread(target=_send, args=(coord, files[rank], host, step, target, failed, broken),
-                                  name="ckpt-replicate", daemon=True)
+        sender = own_threads.thread(_send, "ckpt-replicate", coord, files[rank], host, step, target, failed, broken)
         sender.start()
     landings: List[Landing] = []
     try:
