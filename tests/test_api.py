@@ -219,8 +219,10 @@ def test_objects_made_of_what_weights_only_rebuilds_are_not_loaded_back_at_save(
 
 
 def test_a_writer_is_woken_once_its_piece_is_staged_not_for_every_tensor_copied(tmp_path, monkeypatch):
+    """And a small save's one file is written by the commit thread: no writer thread is started."""
     from ckpt_plugins._src.engine import write
-    wakes = []
+    wakes, started, start = [], [], threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self.name) or start(self))
 
     class Counted(threading.Condition):
         def notify_all(self):
@@ -235,6 +237,7 @@ def test_a_writer_is_woken_once_its_piece_is_staged_not_for_every_tensor_copied(
     state = {f"w{i}": torch.full((8,), float(i)) for i in range(300)}
     cp.save(tmp_path / "c", {"t": state})
     assert len(wakes) < 10  # the snapshot's start and end, the writer's piece, its window written
+    assert not [n for n in started if n.startswith("ckpt-write")], started
     back = {k: torch.zeros(8) for k in state}
     cp.load(tmp_path / "c", {"t": back})
     assert all(torch.equal(back[k], v) for k, v in state.items())

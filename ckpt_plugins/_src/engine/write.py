@@ -200,15 +200,21 @@ class StagedWrite:
 
     def write(self, recorder: Optional[Recorder] = None) -> WriteResult:
         """Write every file as the snapshot progresses, a thread per file (a streaming snapshot
-        needs every file's writer to free its window); returns where each item went, with its
-        chunk checksums. `recorder` gets each file's write (seconds spent in the storage, bytes,
-        O_DIRECT bytes, retries), the checksums' and the compression's seconds."""
+        needs every file's writer to free its window), or the calling thread for one file (a
+        pool started and joined per save cost a small save more than its write); returns where
+        each item went, with its chunk checksums. `recorder` gets each file's write (seconds
+        spent in the storage, bytes, O_DIRECT bytes, retries), the checksums' and the
+        compression's seconds."""
         result = WriteResult([StoredItem(item.file, item.offset, item.nbytes, []) for item in self.items],
                              dict(self.sizes))
         recorder = recorder or Recorder("save", "", 0, enabled=False)
+        names = sorted(self.sizes)
         try:
-            with own_threads.executor(max(1, len(self.sizes)), "ckpt-write") as pool:
-                list(pool.map(lambda name: self._write_file(name, result, recorder), sorted(self.sizes)))
+            if len(names) == 1:
+                self._write_file(names[0], result, recorder)
+            elif names:
+                with own_threads.executor(len(names), "ckpt-write") as pool:
+                    list(pool.map(lambda name: self._write_file(name, result, recorder), names))
         except BaseException:
             if self._failed is not None and self._failed[0] == "writing":
                 raise self._failed[1]  # the writer that failed first, not one it stopped
