@@ -1,7 +1,7 @@
 """The structure the code keeps: extensions use the core only through `ckpt_plugins` and
 `ckpt_plugins.ext`; the core imports and names no framework; its modules import each other
-without a cycle, and every import in them resolves; it makes its threads in one place; no function of the core grows past about 60
-lines."""
+without a cycle, and every import in them resolves; it makes its threads in one place; no
+function of the core grows past about 60 lines."""
 import ast
 import io
 import os
