@@ -14,13 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 from typing import Any, Dict, Optional
 
 import ckpt_plugins as cp
 from ckpt_plugins.ext import (DATA_DIR, FORMAT_NAME, Handler, LoadItems, LocalStorage, SaveHooks, SaveItems, StepGate,
                               committed_first, fit_state, overlapped, read_pointer, storage_for, take_finished)
 
-from . import zero_to_fp32
+from . import zero_to_fp32, zero_to_torch
 from .native import NAME as NATIVE
 from .zero import DeepSpeedModel, DeepSpeedOptimizer, ZeroState
 
@@ -73,6 +74,17 @@ def engine_state(engine, *, optimizer: bool = True, scheduler: bool = True, coun
     return state
 
 
+def copy_scripts(save_dir: str) -> None:
+    """zero_to_fp32.py and zero_to_torch.py into the save directory, executable, as DeepSpeed copies its own."""
+    for script in (zero_to_fp32, zero_to_torch):
+        target = os.path.join(save_dir, os.path.basename(script.__file__))
+        shutil.copyfile(script.__file__, target)
+        try:
+            os.chmod(target, os.stat(target).st_mode | stat.S_IEXEC)
+        except (FileNotFoundError, PermissionError) as exc:  # some file shares refuse it: DeepSpeed goes on too
+            log.info("could not make %s executable (%s); continuing", target, exc)
+
+
 def layout(engine) -> Dict[str, Any]:
     return {"zero_stage": engine.zero_optimization_stage(), "dp_world_size": engine.dp_world_size,
             "dtype": "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"}
@@ -123,8 +135,8 @@ class Hooks:
             root = storage_for(save_dir)
             if save_latest:
                 root.put_atomic(LATEST, tag.encode())
-            if isinstance(root, LocalStorage):  # where DeepSpeed puts its zero_to_fp32.py: ours, for ours
-                shutil.copyfile(zero_to_fp32.__file__, os.path.join(save_dir, "zero_to_fp32.py"))
+            if isinstance(root, LocalStorage):  # where DeepSpeed puts its recovery scripts: ours, for ours
+                copy_scripts(save_dir)
 
         # as DeepSpeed's own save: ZeRO-3 releases gathered parameters before, gathers persistent ones after
         if engine._optimizer_has_ckpt_event_prologue():

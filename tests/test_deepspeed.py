@@ -531,7 +531,8 @@ def test_deepspeed_users_see_the_same_engine_with_the_plugin(tmp_path):
         native, ours = seen[(stage, False)], seen[(stage, True)]
         assert ours == native, (stage, {k: (native[k], ours[k]) for k in native if native[k] != ours[k]})
         assert ours["resumed_loss"] == ours["next_loss"]  # the resumed step computes the uninterrupted one's
-    # the save directory's zero_to_fp32.py, run as DeepSpeed's users run it, gives DeepSpeed's fp32 weights
+    # the save directory's zero_to_fp32.py and zero_to_torch.py, run as DeepSpeed's users run them, give
+    # DeepSpeed's weights
     import subprocess
     import sys
     from safetensors.torch import load_file
@@ -539,7 +540,13 @@ def test_deepspeed_users_see_the_same_engine_with_the_plugin(tmp_path):
         out = subprocess.run([sys.executable, "zero_to_fp32.py", ".", str(tmp_path / f"{who}-fp32")],
                              cwd=tmp_path / who, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
-    native = torch.load(tmp_path / "native2-fp32" / "pytorch_model.bin", weights_only=True)
-    ours = load_file(tmp_path / "ours2-fp32" / "model.safetensors")
-    assert set(native) - set(ours) <= {"lm_head.weight"}  # ours leaves a tied copy to the embedding
-    assert all(v.dtype == torch.float32 and torch.equal(v, native[k]) for k, v in ours.items())
+        assert os.access(tmp_path / who / "zero_to_torch.py", os.X_OK)
+        out = subprocess.run([sys.executable, "zero_to_torch.py", ".", str(tmp_path / f"{who}-bf16"),
+                              "--dtype", "bf16"], cwd=tmp_path / who, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+    for dtype in ("fp32", "bf16"):
+        native = torch.load(tmp_path / f"native2-{dtype}" / "pytorch_model.bin", weights_only=True)
+        ours = load_file(tmp_path / f"ours2-{dtype}" / "model.safetensors")
+        assert set(native) - set(ours) <= {"lm_head.weight"}  # ours leaves a tied copy to the embedding
+        want = torch.float32 if dtype == "fp32" else torch.bfloat16
+        assert all(v.dtype == want and torch.equal(v, native[k]) for k, v in ours.items())
