@@ -514,6 +514,18 @@ def contract(rank, world, root, result_path):
             missing = ds_util.engine(stage, True, seed=1, backend=backend)
             record["no_latest"] = missing.load_checkpoint(os.path.join(root, "nothing-here"))
             dist.barrier()
+    for backend in (False, True):  # DeepSpeed's tag validation: ranks naming different tags under "FAIL"
+        checking = {"tag_validation": "FAIL", **({"backend": "bytecheckpoint"} if backend else {})}
+        eng = ds_util.engine(1, True, backend=backend, extra={"checkpoint": checking})
+        ds_util.step(eng, 0)
+        root_b = os.path.join(root, f"tags-{backend}")
+        record = seen.setdefault(("tags", backend), {"same": eng.save_checkpoint(root_b, tag="t")})
+        try:
+            eng.save_checkpoint(root_b, tag=f"t{rank}")
+        except AssertionError as exc:
+            record["different"] = str(exc)
+        record["written"] = sorted(os.listdir(root_b))
+        dist.barrier()
     if rank == 0:
         torch.save(seen, result_path)
 
@@ -531,6 +543,8 @@ def test_deepspeed_users_see_the_same_engine_with_the_plugin(tmp_path):
         native, ours = seen[(stage, False)], seen[(stage, True)]
         assert ours == native, (stage, {k: (native[k], ours[k]) for k in native if native[k] != ours[k]})
         assert ours["resumed_loss"] == ours["next_loss"]  # the resumed step computes the uninterrupted one's
+    native, ours = seen[("tags", False)], seen[("tags", True)]
+    assert "is not consistent across all ranks" in native["different"] and ours == native, (native, ours)
     # the save directory's zero_to_fp32.py and zero_to_torch.py, run as DeepSpeed's users run them, give
     # DeepSpeed's weights
     import subprocess
