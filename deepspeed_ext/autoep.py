@@ -61,10 +61,11 @@ def autoep_segments(family: Optional[str], placements: Tuple[Tuple[str, Placemen
     return None
 
 
-def placements(module) -> Tuple[Tuple[str, Placement], ...]:
-    """Every AutoEP layer of `module`, by its layer prefix (empty: AutoEP is not in use)."""
+def placements(modules) -> Tuple[Tuple[str, Placement], ...]:
+    """Every AutoEP layer among `modules` (a model's `named_modules()`), by its layer prefix
+    (empty: AutoEP is not in use)."""
     out: Dict[str, Placement] = {}
-    for name, sub in module.named_modules():
+    for name, sub in modules:
         if hasattr(sub, "ep_rank") and hasattr(sub, "num_local_experts") and name.endswith(".mlp"):
             out[canonical_name(name)[:-len("mlp")]] = Placement(sub.ep_rank, sub.ep_size, sub.num_experts)
     return tuple(sorted(out.items()))

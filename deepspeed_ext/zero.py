@@ -27,10 +27,10 @@ from ckpt_plugins.ext import (MASTER, MODEL, FlatPiece, Fragment, Handler, Ignor
 from .autoep import autoep_segments, placements
 
 
-def model_map(module) -> TensorMap:
+def model_map(module, modules) -> TensorMap:
     """How the engine's model is stored: AutoEP's grouped experts and router under the family's
-    per-expert names, else as the model's own map says."""
-    found, own = placements(module), tensor_map(module)
+    per-expert names, else as the model's own map says (`modules`: its `named_modules()`)."""
+    found, own = placements(modules), tensor_map(module)
     if not found:
         return own
     return TensorMap(functools.partial(autoep_segments, getattr(module.config, "model_type", None), found,
@@ -51,17 +51,19 @@ class ZeroState:
         self.engine = engine
         self.stage = engine.zero_optimization_stage()
         module = engine.module
-        self.map = model_map(module)
-        self.names = {id(p): canonical_name(n) for n, p in module.named_parameters()}
+        modules = list(module.named_modules())  # one walk for the experts' placements and the buffers
+        self.map = model_map(module, modules)
+        self.names: Dict[int, str] = {}  # each parameter's first name, the one named_parameters() gives
+        self.params: List[Tuple[str, torch.nn.Parameter]] = []  # in named_parameters() order
         self.aliases: Dict[str, str] = {}
-        first: Dict[int, str] = {}
         for n, p in module.named_parameters(remove_duplicate=False):
             name = canonical_name(n)
-            if id(p) in first and self.map.renamed(name) != self.map.renamed(first[id(p)]):  # not AutoEP's gate.gate
-                self.aliases[self.map.renamed(name)] = self.map.renamed(first[id(p)])
-            first.setdefault(id(p), name)
-        self.params = [(self.names[id(p)], p) for p in dict.fromkeys(p for _, p in module.named_parameters())]
-        self.buffers = {canonical_name(f"{mn}.{bn}" if mn else bn): b for mn, m in module.named_modules()
+            if id(p) not in self.names:
+                self.names[id(p)] = name
+                self.params.append((name, p))
+            elif self.map.renamed(name) != self.map.renamed(self.names[id(p)]):  # not AutoEP's gate.gate
+                self.aliases[self.map.renamed(name)] = self.map.renamed(self.names[id(p)])
+        self.buffers = {canonical_name(f"{mn}.{bn}" if mn else bn): b for mn, m in modules
                         for bn, b in m.named_buffers(recurse=False)
                         if b is not None and bn not in m._non_persistent_buffers_set}
         wrapper = engine.optimizer
