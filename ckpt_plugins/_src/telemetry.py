@@ -12,7 +12,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 TELEMETRY_FILE = "telemetry.json"
@@ -64,7 +64,9 @@ class RankTelemetry:
         return min(p.wall, p.seconds) if p is not None else 0.0
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        """The record as plain data for encoding, sharing its `info` dicts (`asdict`'s deep copy
+        of every phase cost each commit more than the file's write)."""
+        return {**vars(self), "phases": [dict(vars(p)) for p in self.phases]}
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "RankTelemetry":
