@@ -88,6 +88,24 @@ def copy_scripts(save_dir: str) -> None:
             log.info("could not make %s executable (%s); continuing", target, exc)
 
 
+def settled(engine) -> bool:
+    """Whether ZeRO-3's parameters already are as DeepSpeed's save leaves them, which it reaches by
+    releasing every parameter and gathering the persistent ones again (a collective per save): the
+    persistent ones gathered, every other one released, none in flight or in use by a module, and
+    no ZeRO++ secondary partition (its save drops them). After a step they are."""
+    optimizer = engine.optimizer
+    if engine.zero_optimization_stage() != 3 or not hasattr(optimizer, "persistent_parameters"):
+        return False
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+    persistent = {id(p) for p in optimizer.persistent_parameters}
+    for p in iter_params(engine.module, recurse=True):
+        wanted = ZeroParamStatus.AVAILABLE if id(p) in persistent else ZeroParamStatus.NOT_AVAILABLE
+        if p.ds_status != wanted or p.ds_active_sub_modules or getattr(p, "ds_secondary_tensor", None) is not None:
+            return False
+    return True
+
+
 def check_tag(engine, tag: str) -> None:
     """DeepSpeed's check that every rank saves under one tag (its "checkpoint": {"tag_validation":
     "WARN" | "FAIL" | "IGNORE"}), with its message and outcome: the AssertionError under FAIL, the
@@ -165,8 +183,10 @@ class Hooks:
             if isinstance(root, LocalStorage):  # where DeepSpeed puts its recovery scripts: ours, for ours
                 copy_scripts(save_dir)
 
-        # as DeepSpeed's own save: ZeRO-3 releases gathered parameters before, gathers persistent ones after
-        if engine._optimizer_has_ckpt_event_prologue():
+        # as DeepSpeed's own save: ZeRO-3 releases gathered parameters before, gathers persistent ones
+        # after; unless they already are as that leaves them (the save reads the partitions)
+        settle = engine._optimizer_has_ckpt_event_prologue() and not settled(engine)
+        if settle:
             engine.optimizer.checkpoint_event_prologue()
         options = dict(framework="deepspeed", layout=layout(engine), step=int(engine.global_steps), overwrite=True,
                        hooks=SaveHooks(on_commit=after_commit))
@@ -177,7 +197,7 @@ class Hooks:
             self.gate.hold(result, engine.optimizer)
         else:
             result = self.checkpointer.save(path, self.state(client_state), **options)
-        if engine._optimizer_has_ckpt_event_epilogue():
+        if settle and engine._optimizer_has_ckpt_event_epilogue():
             engine.optimizer.checkpoint_event_epilogue()
         self.unlogged.append(result)
         self.log_saves()

@@ -502,6 +502,13 @@ def contract(rank, world, root, result_path):
             record["saved_tag"] = eng.save_checkpoint(root_b, tag="mine", client_state={"epoch": 4}, save_latest=False)
             if stage == 3:  # the parameters as DeepSpeed leaves them after its save (persistent ones gathered)
                 record["status"] = [p.ds_status.name for p in eng.module.parameters()]
+            if stage == 3 and backend:  # a save after a step leaves them as they are; one released is gathered again
+                from deepspeed_ext.engine import settled
+                persistent, after_step = eng.optimizer.persistent_parameters[0], settled(eng)
+                persistent.partition()
+                seen["settles"] = (after_step, settled(eng))
+                eng.save_checkpoint(root_b, tag="again", save_latest=False)
+                seen["settles"] += (persistent.ds_status.name, settled(eng))
             record["latest"] = open(os.path.join(root_b, "latest")).read()
             record["next_loss"] = ds_util.step(eng, 2)
             fresh = ds_util.engine(stage, True, seed=1, backend=backend)
@@ -543,6 +550,7 @@ def test_deepspeed_users_see_the_same_engine_with_the_plugin(tmp_path):
         native, ours = seen[(stage, False)], seen[(stage, True)]
         assert ours == native, (stage, {k: (native[k], ours[k]) for k in native if native[k] != ours[k]})
         assert ours["resumed_loss"] == ours["next_loss"]  # the resumed step computes the uninterrupted one's
+    assert seen["settles"] == (True, False, "AVAILABLE", True)
     native, ours = seen[("tags", False)], seen[("tags", True)]
     assert "is not consistent across all ranks" in native["different"] and ours == native, (native, ours)
     # the save directory's zero_to_fp32.py and zero_to_torch.py, run as DeepSpeed's users run them, give
