@@ -64,10 +64,11 @@ class Counters(Handler):
                                   for name in COUNTERS if f"{prefix}/{name}" in metadata.objects})
 
 
-def engine_state(engine, *, optimizer: bool = True, scheduler: bool = True, counters: bool = True) -> Dict[str, Any]:
+def engine_state(engine, *, optimizer: bool = True, scheduler: bool = True, counters: bool = True,
+                 gathered: bool = False) -> Dict[str, Any]:
     """The ckpt_plugins state of a DeepSpeed engine: `model`, `optim` (masters always, optimizer
-    state when `optimizer`), `sched`, `engine` counters."""
-    state: Dict[str, Any] = {"model": DeepSpeedModel(engine)}
+    state when `optimizer`), `sched`, `engine` counters (`gathered`: see `DeepSpeedModel`)."""
+    state: Dict[str, Any] = {"model": DeepSpeedModel(engine, gathered)}
     if engine.optimizer is not None:
         state["optim"] = DeepSpeedOptimizer(engine, optimizer_state=optimizer)
     if scheduler and engine.lr_scheduler is not None:
@@ -231,8 +232,11 @@ class Hooks:
             return self.native_load(load_dir, tag, load_module_strict, load_optimizer_states,
                                     load_lr_scheduler_states, load_module_only, custom_load_fn)
         full = not load_module_only
+        # ZeRO-3's parameters as DeepSpeed's load leaves them already (as after a step): its release
+        # of them all before and regather of the persistent ones after are skipped, those filled whole
+        gathered = not self.verify and settled(engine)
         state = engine_state(engine, optimizer=full and load_optimizer_states,
-                             scheduler=full and load_lr_scheduler_states, counters=full)
+                             scheduler=full and load_lr_scheduler_states, counters=full, gathered=gathered)
         client = ClientState()
         state["client_state"] = client
         if full:
@@ -242,7 +246,7 @@ class Hooks:
             state, absent = fit_state(state, cp.read_metadata(path))
             if absent:
                 log.warning("%s (%s) holds no %s: left as they are", path, fmt, ", ".join(absent))
-        if engine._optimizer_has_ckpt_event_prologue():  # as DeepSpeed's own load: ZeRO-3 partitions first
+        if engine._optimizer_has_ckpt_event_prologue() and not gathered:  # as DeepSpeed's own load
             engine.optimizer.checkpoint_event_prologue()
         result = self.checkpointer.load(path, {**state, **ignored}, strict=load_module_strict, verify=self.verify)
         if result.missing_keys and not load_module_strict:

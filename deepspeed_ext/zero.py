@@ -139,15 +139,18 @@ class ZeroState:
 
     # ---------------------------------------------------------------- fragments
 
-    def weight_fragments(self, prefix: str) -> List[Fragment]:
+    def weight_fragments(self, prefix: str, gathered: bool = False) -> List[Fragment]:
+        """`gathered`: stage 3's persistent parameters whole as well, gathered as they are (a load
+        fills them beside their partitions, instead of gathering them again afterwards)."""
         key_of = lambda n: f"{prefix}/{n}"  # noqa: E731
         frags: List[Fragment] = []
+        persistent = {id(p) for p in getattr(self.engine.optimizer, "persistent_parameters", ())} if gathered else ()
         for name, p in self.params:
             if self.stage == 3:
                 start, numel = _stage3_range(p)
                 frags += self.map.piece_fragments([FlatPiece(name, tuple(p.ds_shape), 0, numel, start)],
                                                   p.ds_tensor.detach(), key_of)
-            else:
+            if self.stage != 3 or id(p) in persistent:
                 frags += self.map.fragments(name, p, key_of)
         for name, b in self.buffers.items():
             frags += self.map.fragments(name, b, key_of)
@@ -161,10 +164,13 @@ class ZeroState:
 
 
 class DeepSpeedModel(Handler):
-    """The engine's weights, in the training dtype, by canonical name (frozen parameters included)."""
+    """The engine's weights, in the training dtype, by canonical name (frozen parameters included).
+    `gathered`: ZeRO-3's persistent parameters are gathered and the others released (`settled`),
+    and stay so: a load fills the persistent ones whole too, and gathers nothing afterwards."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, gathered: bool = False):
         self.engine = engine
+        self.gathered = gathered
 
     def save_items(self, prefix: str) -> SaveItems:
         zero = ZeroState(self.engine)
@@ -175,12 +181,12 @@ class DeepSpeedModel(Handler):
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
         zero = ZeroState(self.engine)
-        frags = add_master_sources(prefix, zero.weight_fragments(prefix))
+        frags = add_master_sources(prefix, zero.weight_fragments(prefix, self.gathered))
         for frag in frags:  # low-precision weights are a rounding of the masters: any stored copy will do
             frag.cast = zero.low_precision
         return LoadItems(fragments=frags, accepted={f"{prefix}/{a}" for a in zero.aliases} |
                          set(model_mapping(self.engine.module).objects(prefix)),
-                         finish=[lambda: _after_load(self.engine)])
+                         finish=[lambda: _after_load(self.engine, self.gathered)])
 
 
 class DeepSpeedOptimizer(Handler):
@@ -216,8 +222,9 @@ class DeepSpeedOptimizer(Handler):
         return items
 
 
-def _after_load(engine) -> None:
-    """Let DeepSpeed pick up what was written into its buffers."""
+def _after_load(engine, gathered: bool) -> None:
+    """Let DeepSpeed pick up what was written into its buffers (`gathered`: ZeRO-3's persistent
+    parameters were filled whole as well)."""
     optimizer = engine.optimizer
     base = getattr(optimizer, "optimizer", None)
     if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state") and base is not None and base.state:
@@ -225,7 +232,7 @@ def _after_load(engine) -> None:
         # at their first step; state created by the load gets linked now
         optimizer._hp_optimizer_states_linked = False
         optimizer._lazy_init_hp_params_optimizer_state()
-    if engine.zero_optimization_stage() == 3:
+    if engine.zero_optimization_stage() == 3 and not gathered:
         # persistent parameters also live gathered: drop those copies; then as DeepSpeed's own load
         # ends, drop ZeRO++'s secondary partitions (copies of the old ones) and gather the
         # persistent parameters again from the loaded partitions

@@ -516,6 +516,8 @@ def contract(rank, world, root, result_path):
             record["loaded"] = (_tag_of(path, root_b), client["epoch"], fresh.global_steps, fresh.global_samples,
                                 fresh.skipped_steps, fresh.get_lr())
             record["resumed_loss"] = ds_util.step(fresh, 2)
+            fresh.load_checkpoint(root_b)  # into a job that has stepped: ZeRO-3's persistent parameters are gathered
+            record["reloaded_loss"] = ds_util.step(fresh, 2)
             path, client = fresh.load_checkpoint(root_b, tag="mine", load_module_only=True)
             record["module_only"] = (_tag_of(path, root_b), client["epoch"], fresh.global_steps)
             missing = ds_util.engine(stage, True, seed=1, backend=backend)
@@ -549,7 +551,7 @@ def test_deepspeed_users_see_the_same_engine_with_the_plugin(tmp_path):
     for stage in (0, 1, 2, 3):
         native, ours = seen[(stage, False)], seen[(stage, True)]
         assert ours == native, (stage, {k: (native[k], ours[k]) for k in native if native[k] != ours[k]})
-        assert ours["resumed_loss"] == ours["next_loss"]  # the resumed step computes the uninterrupted one's
+        assert ours["resumed_loss"] == ours["reloaded_loss"] == ours["next_loss"]  # the uninterrupted step's
     assert seen["settles"] == (True, False, "AVAILABLE", True)
     native, ours = seen[("tags", False)], seen[("tags", True)]
     assert "is not consistent across all ranks" in native["different"] and ours == native, (native, ours)
