@@ -25,6 +25,9 @@ def test_a_gathered_buffer_holds_every_message_in_place_and_a_bad_frame_is_named
         unframed(buffer, 4)
 
 
+real_c10d_gather = dist.gather
+
+
 def _collectives(rank, world):
     coord = Coordinator()
     mine = bytes([rank]) * (5 * rank)  # rank 0 sends nothing
@@ -78,6 +81,22 @@ def _collectives(rank, world):
         patch.setattr(coordinator, "_all_gather_single", lambda *a, **k: gathers.append(1) or real_gather(*a, **k))
         coord.agreed_steps([data if rank != 2 else lambda: None, gather], what="load of x")
     assert ran == [[0, 1, 2]] and len(gathers) == 3  # the step's own gather among them
+
+    # a gather of small messages is one collective; one message longer than its head, two
+    head = coordinator.head_bytes(world)
+    for longest in (head - 8, head - 7):
+        gathers.clear()
+        sizes = [0, longest, 3]
+        blob = bytes([rank + 1]) * sizes[rank]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(coordinator, "_all_gather_single", lambda *a, **k: gathers.append(1) or real_gather(*a, **k))
+            patch.setattr(dist, "gather", lambda *a, **k: gathers.append(1) or real_c10d_gather(*a, **k))
+            every, to_root = coord.all_gather_bytes(blob), coord.gather_bytes(blob)
+        assert len(gathers) == (2 if longest <= head - 8 else 4)
+        for buffer in [every] + ([to_root] if rank == 0 else []):
+            start, size = unframed(buffer, world)
+            assert [bytes(buffer[a:a + n]) for a, n in zip(start, size)] == [bytes([r + 1]) * sizes[r] for r in range(3)]
+        assert rank == 0 or to_root is None
 
 
 def test_collectives_carry_messages_of_any_length_and_a_failure_reaches_every_rank():

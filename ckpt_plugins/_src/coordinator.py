@@ -14,6 +14,7 @@ import pickle
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -23,6 +24,10 @@ from .packing import FRAME, frame_bytes, framed, gathered, unframed
 
 GRACE = timedelta(seconds=2)  # how long survivors wait for each other to say they are alive
 BROADCAST_BYTES = 4096  # a broadcast's first collective carries this much: a save's outcome fits
+# What the first all-gather of a gather moves to each rank in all: a rank's head of it holds small
+# messages whole (a tiny job's plans, requests and telemetry), so one collective does; at scale a
+# head holds the length only, as a gather of lengths would.
+HEADS_BYTES = 64 << 10
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
 
 
@@ -67,15 +72,16 @@ class Coordinator:
     def all_gather_bytes(self, data: Optional[bytes]) -> Optional[bytearray]:
         """Every rank's `data`, not pickled, in one buffer (`packing.gathered`: a frame per rank,
         each padded to the largest); None on every rank where some rank had none (`data` None:
-        it failed). The lengths, then the frames, each one all-gather into one tensor: torch's
-        object collectives spend seconds per call at 100,000 ranks on a tensor view and an
-        unpickling per rank."""
+        it failed). One all-gather into one tensor where every message fits in its head
+        (`head_bytes`), a second for the whole messages where one does not: torch's object
+        collectives spend seconds per call at 100,000 ranks on a tensor view and an unpickling
+        per rank."""
         if self.world_size == 1:
             return None if data is None else gathered([data])
         self.collectives += 1
-        longest, failed = self._longest(0 if data is None else len(data), data is None)
-        if failed:
-            return None
+        heads, longest, failed = self._heads(data)
+        if failed or heads is not None:
+            return heads
         stride = frame_bytes(longest)
         buffer = bytearray(stride * self.world_size)
         _all_gather_single(torch.frombuffer(buffer, dtype=torch.uint8),
@@ -93,7 +99,10 @@ class Coordinator:
         if self.world_size == 1:
             return gathered([data])
         self.collectives += 1
-        stride = frame_bytes(self._longest(len(data))[0])
+        heads, longest, _ = self._heads(data)
+        if heads is not None:
+            return heads if self.is_coordinator else None
+        stride = frame_bytes(longest)
         mine = torch.frombuffer(framed(data, stride), dtype=torch.uint8)
         if not self.is_coordinator:
             dist.gather(mine, None, dst=self._root(), group=self.group)
@@ -158,14 +167,22 @@ class Coordinator:
         _all_gather_single(out, torch.tensor([flag], dtype=torch.int64), group=self.group)
         return out.tolist()
 
-    def _longest(self, nbytes: int, failed: bool = False) -> Tuple[int, bool]:
-        """The longest of every rank's messages, and whether some rank failed. An all-gather, not
-        an all-reduce: every rank hears at once from a rank that is gone (gloo's all-reduce
-        passes around a ring, where a rank waits on a neighbor that already gave up)."""
-        values = torch.empty(2 * self.world_size, dtype=torch.int64)
-        _all_gather_single(values, torch.tensor([nbytes, int(failed)], dtype=torch.int64), group=self.group)
-        longest, failed = values.view(-1, 2).max(dim=0).values.tolist()
-        return longest, bool(failed)
+    def _heads(self, data: Optional[bytes]) -> Tuple[Optional[bytearray], int, bool]:
+        """One all-gather of every rank's head: a frame of `head_bytes` holding its message's
+        length (-1: it failed) and as much of the message as fits. Returns the gathered frames
+        where every message fitted whole (None otherwise), the longest message, and whether some
+        rank failed. An all-gather, not an all-reduce of the lengths: every rank hears at once
+        from a rank that is gone (gloo's all-reduce passes around a ring, where a rank waits on a
+        neighbor that already gave up)."""
+        stride = head_bytes(self.world_size)
+        mine = framed(b"" if data is None else data[:stride - FRAME], stride)
+        mine[:FRAME] = (-1 if data is None else len(data)).to_bytes(FRAME, "little", signed=True)
+        buffer = bytearray(stride * self.world_size)
+        _all_gather_single(torch.frombuffer(buffer, dtype=torch.uint8), torch.frombuffer(mine, dtype=torch.uint8),
+                           group=self.group)
+        sizes = np.frombuffer(buffer, dtype="<i8")[::stride // 8]
+        longest, failed = int(sizes.max()), bool((sizes < 0).any())
+        return (buffer if longest <= stride - FRAME and not failed else None), longest, failed
 
     @_talks
     def any_flags(self, flags: Sequence[int], meanwhile: Optional[Callable[[], None]] = None) -> List[int]:
@@ -299,6 +316,11 @@ def checkpoint_groups(process_group, timeout: timedelta) -> Tuple[Coordinator, C
     fg, bg = (dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=local)
               for _ in range(2))
     return Coordinator(fg), Coordinator(bg)
+
+
+def head_bytes(world: int) -> int:
+    """Each rank's frame in a gather's first all-gather: its length and at least 8 bytes."""
+    return max(2 * FRAME, HEADS_BYTES // world // 8 * 8)
 
 
 def _unpickled(buffer: bytearray, ranks: int) -> List[Any]:
