@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import stat
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -107,28 +107,33 @@ def settled(engine) -> bool:
     return True
 
 
-def check_tag(engine, tag: str) -> None:
+def check_tag(engine, tag: str) -> Callable[[], None]:
     """DeepSpeed's check that every rank saves under one tag (its "checkpoint": {"tag_validation":
     "WARN" | "FAIL" | "IGNORE"}), with its message and outcome: the AssertionError under FAIL, the
     warning under WARN. One all-reduce of the tag's digest beside its negation (the maximum of both
-    gives the minimum too) where DeepSpeed makes two over bytes, which cost every save several times
-    more here."""
+    gives the minimum too) where DeepSpeed makes two over bytes, started here; the call returned
+    waits for it and raises or warns. A save makes that call once the state is captured, which the
+    all-reduce runs beside; every rank then raises alike."""
     if not engine.checkpoint_tag_validation_enabled():
-        return
+        return lambda: None
     from deepspeed import comm
     digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()), dtype=torch.int32)
     mine = torch.cat([digest, -digest])
     agreed = mine.to(engine.device, copy=True)
-    comm.all_reduce(agreed, op=comm.ReduceOp.MAX)
-    if torch.equal(agreed.cpu(), mine):
-        return
-    message = (f"[rank={comm.get_rank()}] The checkpoint tag name '{tag}' is not consistent across all ranks. "
-               "Including rank unique information in checkpoint tag could cause issues when restoring with "
-               "different world sizes.")
-    if engine.checkpoint_tag_validation_fail():
-        raise AssertionError(message)
-    from deepspeed.utils import logger
-    logger.warning(message)
+    work = comm.all_reduce(agreed, op=comm.ReduceOp.MAX, async_op=True)
+
+    def checked() -> None:
+        work.wait()
+        if torch.equal(agreed.cpu(), mine):
+            return
+        message = (f"[rank={comm.get_rank()}] The checkpoint tag name '{tag}' is not consistent across all ranks. "
+                   "Including rank unique information in checkpoint tag could cause issues when restoring with "
+                   "different world sizes.")
+        if engine.checkpoint_tag_validation_fail():
+            raise AssertionError(message)
+        from deepspeed.utils import logger
+        logger.warning(message)
+    return checked
 
 
 def layout(engine) -> Dict[str, Any]:
@@ -174,7 +179,7 @@ class Hooks:
         if exclude_frozen_parameters:
             log.warning("exclude_frozen_parameters is ignored: ckpt_plugins always stores frozen parameters")
         tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-        check_tag(engine, tag)
+        checked = check_tag(engine, tag)
         path = os.path.join(save_dir, tag)
 
         def after_commit() -> None:  # only once the checkpoint is whole
@@ -187,10 +192,12 @@ class Hooks:
         # as DeepSpeed's own save: ZeRO-3 releases gathered parameters before, gathers persistent ones
         # after; unless they already are as that leaves them (the save reads the partitions)
         settle = engine._optimizer_has_ckpt_event_prologue() and not settled(engine)
-        if settle:
+        if settle:  # DeepSpeed's order: the tag checked before the parameters are released
+            checked()
+            checked = None
             engine.optimizer.checkpoint_event_prologue()
         options = dict(framework="deepspeed", layout=layout(engine), step=int(engine.global_steps), overwrite=True,
-                       hooks=SaveHooks(on_commit=after_commit))
+                       hooks=SaveHooks(captured=checked, on_commit=after_commit))
         if self.async_save:
             result = self.checkpointer.save_async(path, self.state(client_state), overlap=self.overlap, **options)
             # ZeRO's forward and backward leave what is saved alone (stage 3 gathers into other

@@ -1,4 +1,5 @@
 """The engine: async and overlapped saves, ordering, plan cache, staging cap, failures, read-once loads."""
+import functools
 import gc
 import os
 import threading
@@ -113,6 +114,37 @@ def test_a_teardown_collected_on_a_thread_a_save_runs_on_does_not_wait_for_that_
     assert not caller.is_alive() and ran == ["ckpt-commit_0", caller.name]
     assert_loads_as(tmp_path / "a", before)
     assert_loads_as(tmp_path / "b", before)
+    ckpt.close()
+
+
+def test_a_captured_hook_runs_after_the_capture_and_what_it_raises_ends_the_save_with_nothing_written(tmp_path):
+    """`SaveHooks.captured` (DeepSpeed's tag check waits there for its collective): it runs once
+    the state is captured, in every mode, and its exception leaves nothing behind; the next save
+    goes on as usual."""
+    from ckpt_plugins.ext import SaveHooks
+    from ckpt_plugins._src.state import ModuleHandler
+    ckpt, model = cp.Checkpointer(), make()
+    before, seen = values(model), []
+
+    class Watched(ModuleHandler):
+        def save_items(self, prefix):
+            seen.append("capture")
+            return super().save_items(prefix)
+
+    def refuse():
+        seen.append("hook")
+        raise AssertionError("tags differ")
+    for mode in ("sync", "async", "overlap"):
+        seen.clear()
+        save = ckpt.save if mode == "sync" else functools.partial(ckpt.save_async, overlap=mode == "overlap")
+        with pytest.raises(AssertionError, match="tags differ"):
+            save(tmp_path / mode, {"model": Watched(model)}, hooks=SaveHooks(captured=refuse))
+        assert seen == ["capture", "hook"] and not (tmp_path / mode).exists(), mode
+        done = save(tmp_path / mode, {"model": Watched(model)}, hooks=SaveHooks(captured=lambda: seen.append("hook")))
+        if mode != "sync":
+            done.wait(timeout=60)
+        assert seen[2:] == ["capture", "hook"]
+        assert_loads_as(tmp_path / mode, before)
     ckpt.close()
 
 

@@ -169,6 +169,8 @@ class Checkpointer:
         save = Save(storage, state, coord, self.pool, self.cache, options, hooks, mode=mode, telemetry=self.telemetry)
         save.recorder.record.start = t0
         save.capture()
+        if hooks.captured is not None:
+            hooks.captured()
         if mode != "overlap":  # an overlapped save prepares in its snapshot thread
             save.prepare(copy_early=mode == "async")
         self._last = save.handle

@@ -63,13 +63,17 @@ class SaveOptions:
 
 @dataclass(frozen=True)
 class SaveHooks:
-    """`on_commit()`: on the coordinating rank right after the commit, before the save counts as
+    """`captured()`: in the caller's thread once the state is captured, before the save plans or
+    writes anything; what it raises is raised as it is and nothing is saved, so it must fail
+    alike on every rank (DeepSpeed's tag check, whose collective runs during the capture).
+    `on_commit()`: on the coordinating rank right after the commit, before the save counts as
     done (a "latest" pointer, retention); its failure is the save's error. `on_summary(figures)`:
     there too, just before, with the save's telemetry summary (a run's history); its failure only
     logs. `then(coordinator, info)`: on every rank after the commit, on the background group,
     before the save counts as done (the memory tier replicates there, the HF Trainer writes its
     model files); its failure is the save's, so it must reach every rank through the coordinator
     (`Coordinator.agreed`)."""
+    captured: Optional[Callable[[], None]] = None
     on_commit: Optional[Callable[[], None]] = None
     on_summary: Optional[Callable[[Dict[str, Any]], None]] = None
     then: Optional[Callable[[Any, Any], None]] = None
