@@ -26,7 +26,7 @@ from ckpt_plugins.ext import (DATA_DIR, FORMAT_NAME, Handler, LoadItems, LocalSt
 
 from . import zero_to_fp32, zero_to_torch
 from .native import NAME as NATIVE
-from .zero import DeepSpeedModel, DeepSpeedOptimizer, ZeroState
+from .zero import DeepSpeedModel, DeepSpeedOptimizer, SharedZero, ZeroState
 
 log = logging.getLogger("deepspeed_ext")
 LATEST = "latest"
@@ -68,9 +68,10 @@ def engine_state(engine, *, optimizer: bool = True, scheduler: bool = True, coun
                  gathered: bool = False) -> Dict[str, Any]:
     """The ckpt_plugins state of a DeepSpeed engine: `model`, `optim` (masters always, optimizer
     state when `optimizer`), `sched`, `engine` counters (`gathered`: see `DeepSpeedModel`)."""
-    state: Dict[str, Any] = {"model": DeepSpeedModel(engine, gathered)}
+    shared = SharedZero(engine)
+    state: Dict[str, Any] = {"model": DeepSpeedModel(engine, gathered, shared)}
     if engine.optimizer is not None:
-        state["optim"] = DeepSpeedOptimizer(engine, optimizer_state=optimizer)
+        state["optim"] = DeepSpeedOptimizer(engine, optimizer_state=optimizer, shared=shared)
     if scheduler and engine.lr_scheduler is not None:
         state["sched"] = engine.lr_scheduler
     if counters:

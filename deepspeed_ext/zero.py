@@ -15,7 +15,7 @@ per flat partition, so they are stored per canonical parameter like every other 
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -163,24 +163,42 @@ class ZeroState:
         return frags
 
 
+class SharedZero:
+    """One `ZeroState` for the handlers of one state dict, built once per save or load: each
+    handler takes it once, and one taking it again (the next operation on a reused state dict)
+    gets a new one, as DeepSpeed may have relinked its views in between."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.zero = None
+        self.takers: set = set()
+
+    def take(self, taker) -> ZeroState:
+        if self.zero is None or taker in self.takers:
+            self.zero, self.takers = ZeroState(self.engine), set()
+        self.takers.add(taker)
+        return self.zero
+
+
 class DeepSpeedModel(Handler):
     """The engine's weights, in the training dtype, by canonical name (frozen parameters included).
     `gathered`: ZeRO-3's persistent parameters are gathered and the others released (`settled`),
     and stay so: a load fills the persistent ones whole too, and gathers nothing afterwards."""
 
-    def __init__(self, engine, gathered: bool = False):
+    def __init__(self, engine, gathered: bool = False, shared: Optional[SharedZero] = None):
         self.engine = engine
         self.gathered = gathered
+        self.shared = shared or SharedZero(engine)
 
     def save_items(self, prefix: str) -> SaveItems:
-        zero = ZeroState(self.engine)
+        zero = self.shared.take(self)
         return SaveItems(fragments=zero.weight_fragments(prefix),
                          aliases={f"{prefix}/{a}": f"{prefix}/{t}" for a, t in zero.aliases.items()},
                          objects=model_mapping(self.engine.module).objects(prefix),
                          frozen=frozen_keys(self.engine.module, zero.map, prefix, lambda p: getattr(p, "ds_shape", p.shape)))
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
-        zero = ZeroState(self.engine)
+        zero = self.shared.take(self)
         frags = add_master_sources(prefix, zero.weight_fragments(prefix, self.gathered))
         for frag in frags:  # low-precision weights are a rounding of the masters: any stored copy will do
             frag.cast = zero.low_precision
@@ -198,19 +216,20 @@ class DeepSpeedOptimizer(Handler):
     load fills the masters only (DeepSpeed's load_module_only / load_optimizer_states=False: the
     masters must follow the weights) and accepts the rest of the checkpoint's optimizer entries."""
 
-    def __init__(self, engine, optimizer_state: bool = True):
+    def __init__(self, engine, optimizer_state: bool = True, shared: Optional[SharedZero] = None):
         self.engine = engine
         self.optimizer_state = optimizer_state
+        self.shared = shared or SharedZero(engine)
 
     def save_items(self, prefix: str) -> SaveItems:
-        zero = ZeroState(self.engine)
+        zero = self.shared.take(self)
         items = zero.optimizer_handler().save_items(prefix)
         if zero.low_precision:
             items.fragments += zero.master_fragments(prefix)
         return items
 
     def load_items(self, prefix: str, metadata: Metadata) -> LoadItems:
-        zero = ZeroState(self.engine)
+        zero = self.shared.take(self)
         if self.optimizer_state:
             items = zero.optimizer_handler().load_items(prefix, metadata)
         else:
