@@ -25,8 +25,8 @@ from .packing import FRAME, frame_bytes, framed, gathered, unframed
 GRACE = timedelta(seconds=2)  # how long survivors wait for each other to say they are alive
 BROADCAST_BYTES = 4096  # a broadcast's first collective carries this much: a save's outcome fits
 # What the first all-gather of a gather moves to each rank in all: a rank's head of it holds small
-# messages whole (a tiny job's plans, requests and telemetry), so one collective does; at scale a
-# head holds the length only, as a gather of lengths would.
+# messages whole (a tiny job's plans, requests and telemetry), so one collective does; from 4,096
+# ranks on a head is 16 bytes, what a gather of the lengths alone moves.
 HEADS_BYTES = 64 << 10
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
 
